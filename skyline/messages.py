@@ -1,0 +1,179 @@
+"""Wire messages: typed classes with one MessagePack codec.
+
+Every message that crosses Redis is one of the dataclasses below. `encode`
+writes a two-element array ``[type_tag, {field: value}]`` so a reader can tell
+the type without context and so fields can be added without breaking old
+readers (unknown fields are ignored, missing ones take their defaults).
+
+Internal state (engine objects, asyncio tasks) never goes on the wire; the
+workers and the gateway convert at their edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+
+@dataclass
+class SamplingSpec:
+    """The subset of OpenAI/vLLM sampling parameters Skyline forwards to engines."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled (vLLM uses -1 or 0 for "all tokens")
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass
+class GenerateRequest:
+    """A request as the gateway enqueues it on a tier stream.
+
+    `arrival_ms` and `deadline_ms` are wall-clock milliseconds (Unix epoch) so
+    that every process on every host agrees on them; deadline = arrival + TTFT
+    target. `attempt` counts deliveries of this request id to a worker that
+    restarted it (used for fencing by the reliability layer).
+    """
+
+    TAG: ClassVar[str] = "req"
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    tier: str
+    arrival_ms: int
+    deadline_ms: int
+    ttft_ms: int
+    tpot_ms: int
+    priority: int = 0
+    route: str = "disagg"  # "disagg": prefill worker then decode worker; "colocated": decode worker does both
+    attempt: int = 0
+
+
+@dataclass
+class DecodeWork:
+    """A request whose prompt was prefilled, with the KV-block handle to pull.
+
+    `kv_handle` is vLLM's `kv_transfer_params` as returned by the prefill
+    engine (engine id, block ids, host, port, ...); it is opaque to Skyline.
+    `kv_handle` is None when the request was routed colocated: the decode
+    worker then prefills the prompt itself.
+    """
+
+    TAG: ClassVar[str] = "decode"
+
+    request: GenerateRequest
+    kv_handle: dict[str, Any] | None = None
+    prefill_worker: str = ""
+    prefill_started_ms: int = 0
+    prefill_finished_ms: int = 0
+
+
+@dataclass
+class TokenDelta:
+    """New output of one request: token ids and the text they decode to.
+
+    `seq` counts frames from 0 per request so the gateway can detect gaps and
+    drop duplicates; `index` is the number of tokens streamed before this
+    frame (the position of `token_ids[0]` in the output).
+    """
+
+    TAG: ClassVar[str] = "delta"
+
+    request_id: str
+    seq: int
+    index: int
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Finished:
+    """The last frame of a successful request: why it stopped, usage, timings."""
+
+    TAG: ClassVar[str] = "final"
+
+    request_id: str
+    seq: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+@dataclass
+class Failed:
+    """The last frame of a failed request: an OpenAI-style error for the client."""
+
+    TAG: ClassVar[str] = "error"
+
+    request_id: str
+    seq: int
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+@dataclass
+class Cancel:
+    """Broadcast on the cancel channel when a client goes away."""
+
+    TAG: ClassVar[str] = "cancel"
+
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+Message = GenerateRequest | DecodeWork | TokenDelta | Finished | Failed | Cancel
+_BY_TAG: dict[str, type] = {
+    cls.TAG: cls for cls in (GenerateRequest, DecodeWork, TokenDelta, Finished, Failed, Cancel)
+}
+_NESTED: dict[tuple[type, str], type] = {
+    (GenerateRequest, "sampling"): SamplingSpec,
+    (DecodeWork, "request"): GenerateRequest,
+}
+
+
+class CodecError(ValueError):
+    """A payload that is not a Skyline message (wrong type tag or shape)."""
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb([msg.TAG, dataclasses.asdict(msg)], use_bin_type=True)
+
+
+def decode(payload: bytes) -> Message:
+    try:
+        tag, fields = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        cls = _BY_TAG[tag]
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise CodecError(f"not a Skyline message: {exc}") from exc
+    return _build(cls, fields)
+
+
+def _build(cls: type, fields: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in fields.items():
+        if name not in known:
+            continue  # written by a newer peer; ignore
+        nested = _NESTED.get((cls, name))
+        kwargs[name] = _build(nested, value) if nested and isinstance(value, dict) else value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise CodecError(f"bad {cls.__name__}: {exc}") from exc

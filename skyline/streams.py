@@ -1,0 +1,129 @@
+"""Thin async I/O over the tier streams: enqueue, EDF claim, ack.
+
+The policy (which tier to serve next) lives in `skyline.scheduler.edf`; this
+module only observes the stream heads and moves entries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from skyline import messages
+from skyline.keys import Keys
+from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.tiers import Tier
+
+
+@dataclass
+class Claimed:
+    """One stream entry this consumer now owns (until it XACKs it)."""
+
+    stream: str
+    entry_id: str
+    tier: str
+    message: messages.Message
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def ensure_groups(r: aioredis.Redis, keys: Keys, tiers: tuple[str, ...], stage: str | None = None) -> None:
+    """Create the consumer groups (and streams) if missing. Idempotent; called at
+    start-up and after a Redis restart, since a restarted Redis without
+    persistence has neither."""
+    for st, _tier, key in keys.all_streams(tiers):
+        if stage and st != stage:
+            continue
+        try:
+            await r.xgroup_create(key, Keys.group(st), id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+async def enqueue(
+    r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int
+) -> str:
+    """XADD a request to its tier stream. Besides the msgpack body, a few plain
+    fields make `XRANGE` readable for an operator."""
+    req = msg.request if isinstance(msg, messages.DecodeWork) else msg
+    fields = {
+        "id": req.request_id,
+        "tier": req.tier,
+        "deadline_ms": req.deadline_ms,
+        "prompt_tokens": len(req.prompt_token_ids),
+        "max_tokens": req.sampling.max_tokens,
+        "msg": messages.encode(msg),
+    }
+    entry_id = await r.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+class TierQueues:
+    """One stage's tier streams seen from one consumer.
+
+    `claim()` waits until some tier has an undelivered entry, picks the tier
+    whose head has the earliest deadline (policy: `pick_tier`) and claims one
+    entry from it. Peeking uses plain XREAD from each group's last-delivered
+    id, which neither claims nor changes anything, so idle workers can watch
+    the queues without hoarding work another worker could start sooner.
+    """
+
+    def __init__(self, r: aioredis.Redis, keys: Keys, stage: str, tiers: tuple[Tier, ...], consumer: str):
+        self.r = r
+        self.keys = keys
+        self.stage = stage
+        self.group = Keys.group(stage)
+        self.tiers = tiers
+        self.tier_names = tuple(t.name for t in tiers)
+        self.consumer = consumer
+        self.stream_of = {t.name: keys.stream(stage, t.name) for t in tiers}
+        self.tier_of = {v: k for k, v in self.stream_of.items()}
+
+    async def _last_delivered(self) -> dict[str, str]:
+        pipe = self.r.pipeline(transaction=False)
+        for key in self.stream_of.values():
+            pipe.xinfo_groups(key)
+        out: dict[str, str] = {}
+        for key, groups in zip(self.stream_of.values(), await pipe.execute()):
+            last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
+            if last is None:
+                raise ResponseError(f"NOGROUP consumer group {self.group} missing on {key}")
+            out[key] = _s(last)
+        return out
+
+    async def peek_heads(self, block_ms: int) -> dict[str, int]:
+        """tier -> deadline (ms) of the oldest undelivered entry; waits up to
+        `block_ms` for one to appear when every tier is empty."""
+        last = await self._last_delivered()
+        resp = await self.r.xread(last, count=1, block=block_ms)
+        heads: dict[str, int] = {}
+        for key, entries in resp or []:
+            for _entry_id, fields in entries:
+                heads[self.tier_of[_s(key)]] = int(fields[b"deadline_ms"])
+        return heads
+
+    async def claim(self, block_ms: int = 1000) -> Claimed | None:
+        """Claim the next entry in EDF order, or None if nothing arrived in `block_ms`."""
+        heads = await self.peek_heads(block_ms)
+        tier = pick_tier(heads, self.tier_names)
+        if tier is None:
+            return None
+        key = self.stream_of[tier]
+        resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
+        for _key, entries in resp or []:
+            for entry_id, fields in entries:
+                return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]))
+        return None  # another worker took it between peek and claim
+
+    async def ack(self, claimed: Claimed) -> None:
+        await self.r.xack(claimed.stream, self.group, claimed.entry_id)
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

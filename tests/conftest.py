@@ -1,0 +1,25 @@
+"""Shared fixtures: one real redis-server per test session, isolated per test by key prefix."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from skyline.redis_server import free_port, start_redis
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server process (never a mock) on a free loopback port."""
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A fresh key prefix per test, so tests sharing the server never see each other's keys."""
+    return f"test-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,144 @@
+"""Prefill and decode workers (sim engines, in-process) against a real redis-server.
+
+The test plays the gateway with redis-py: subscribe to the request's token
+channel, enqueue on a tier stream, read the frames.
+"""
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import redis.asyncio as aioredis
+
+from skyline import messages as m
+from skyline.config import SkylineConfig
+from skyline.keys import Keys
+from skyline.streams import enqueue, ensure_groups, now_ms
+from skyline.workers.decode import DecodeHandler
+from skyline.workers.engines.sim import SimEngine, SimTiming
+from skyline.workers.prefill import PrefillHandler
+from skyline.workers.runtime import WorkerRuntime
+
+FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.001, decode_per_seq_s=0.0)
+
+
+@pytest.fixture
+async def fleet(redis_url, key_prefix):
+    """One prefill and one decode worker running in this event loop."""
+    cfg = SkylineConfig(key_prefix=key_prefix)
+    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url), worker=replace(cfg.worker, heartbeat_s=0.2))
+    runtimes, tasks = [], []
+    for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
+        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-test"))
+        rt = WorkerRuntime(rcfg, SimEngine(FAST), "skyline-sim")
+        runtimes.append(rt)
+        tasks.append(asyncio.create_task(rt.run(handler(rt), install_signals=False)))
+    client = aioredis.from_url(redis_url)
+    await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
+    yield cfg, client, runtimes
+    for rt in runtimes:
+        rt.stopping.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    await client.aclose()
+
+
+def gen_request(rid: str, prompt: list[int], max_tokens: int, route: str = "disagg") -> m.GenerateRequest:
+    t = now_ms()
+    return m.GenerateRequest(rid, "skyline-sim", prompt, m.SamplingSpec(max_tokens=max_tokens), "interactive",
+                             t, t + 1000, 1000, 250, route=route)
+
+
+async def run_request(client, keys: Keys, req: m.GenerateRequest) -> list:
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens(req.request_id))
+    await pubsub.get_message(timeout=1)  # subscribe confirmation
+    if req.route == "disagg":
+        await enqueue(client, keys, "prefill", req, 1000)
+    else:
+        await enqueue(client, keys, "decode", m.DecodeWork(request=req), 1000)
+    frames = []
+    async with asyncio.timeout(10):
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            if msg is None:
+                continue
+            frames.append(m.decode(msg["data"]))
+            if isinstance(frames[-1], (m.Finished, m.Failed)):
+                break
+    await pubsub.aclose()
+    return frames
+
+
+async def test_request_flows_prefill_to_decode_with_ordered_tokens(fleet):
+    cfg, client, _ = fleet
+    keys = Keys(cfg.key_prefix)
+    frames = await run_request(client, keys, gen_request("r-disagg", list(b"hello world"), 40))
+    deltas, final = frames[:-1], frames[-1]
+    assert isinstance(final, m.Finished), final
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert [d.index for d in deltas] == [sum(len(x.token_ids) for x in deltas[:i]) for i in range(len(deltas))]
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == final.completion_tokens == 40
+    assert final.prompt_tokens == len(b"hello world")
+    assert (final.prefill_worker, final.decode_worker) == ("prefill-test", "decode-test")
+    assert final.kv_transfer["remote_prefill"] is True
+    # Everything was acked: nothing pending on any stream.
+    for stage, _tier, key in keys.all_streams(cfg.tier_names):
+        for g in await client.xinfo_groups(key):
+            assert g["pending"] == 0, (key, g)
+
+
+async def test_colocated_route_skips_the_prefill_pool_with_the_same_output(fleet):
+    cfg, client, _ = fleet
+    keys = Keys(cfg.key_prefix)
+    prompt = list(b"same prompt")
+    disagg = await run_request(client, keys, gen_request("r-a", prompt, 25))
+    coloc = await run_request(client, keys, gen_request("r-b", prompt, 25, route="colocated"))
+    text = lambda frames: "".join(f.text for f in frames if isinstance(f, m.TokenDelta))  # noqa: E731
+    assert text(disagg) == text(coloc) and len(text(coloc)) == 25
+    assert coloc[-1].prefill_worker == "" and coloc[-1].kv_transfer["remote_prefill"] is False
+
+
+async def test_workers_heartbeat_their_role(fleet):
+    from skyline.fleet import list_workers
+
+    cfg, client, _ = fleet
+    await asyncio.sleep(0.3)
+    roles = {w.worker_id: w.role for w in await list_workers(client, Keys(cfg.key_prefix), liveness_s=2)}
+    assert roles == {"prefill-test": "prefill", "decode-test": "decode"}
+
+
+async def test_request_cancelled_while_queued_is_skipped(fleet):
+    cfg, client, _ = fleet
+    keys = Keys(cfg.key_prefix)
+    await client.set(keys.cancelled("r-gone"), 1, ex=60)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens("r-gone"))
+    await enqueue(client, keys, "prefill", gen_request("r-gone", [1, 2], 5), 1000)
+    await asyncio.sleep(0.5)
+    msgs = []
+    while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)) is not None:
+        msgs.append(msg)
+    await pubsub.aclose()
+    assert msgs == []  # no tokens generated for a client that left
+    g = (await client.xinfo_groups(keys.stream("prefill", "interactive")))[0]
+    assert g["pending"] == 0 and g["last-delivered-id"] != b"0-0"  # claimed and acked, not left behind
+    assert await client.xlen(keys.stream("decode", "interactive")) == 0  # never prefilled
+
+
+async def test_cancel_broadcast_aborts_a_running_decode(fleet):
+    cfg, client, (prefill_rt, decode_rt) = fleet
+    keys = Keys(cfg.key_prefix)
+    req = gen_request("r-long", [1, 2, 3], 100_000)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens(req.request_id))
+    await enqueue(client, keys, "prefill", req, 1000)
+    async with asyncio.timeout(5):
+        while "r-long" not in decode_rt.in_flight:
+            await asyncio.sleep(0.01)
+    await client.publish(keys.cancel, m.encode(m.Cancel("r-long")))
+    async with asyncio.timeout(5):
+        while "r-long" in decode_rt.in_flight:
+            await asyncio.sleep(0.01)
+    assert decode_rt.engine.stats().running == 0
+    await pubsub.aclose()

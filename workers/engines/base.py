@@ -1,0 +1,83 @@
+"""The interface every engine backend implements.
+
+A worker drives exactly one engine. Two backends exist:
+  - `vllm`: a real in-process vLLM AsyncLLM with the NIXL KV connector;
+  - `sim`:  a timing model with no weights (fast tests, fleet load tests).
+The choice is always explicit in config/CLI; there is no silent fallback.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyline.messages import SamplingSpec
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    priority: int = 0  # vLLM semantics: lower value = scheduled first
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill leaves behind: the handle a decode engine uses to pull KV."""
+
+    kv_handle: dict[str, Any]
+    prompt_tokens: int
+
+
+@dataclass
+class GenerationChunk:
+    """New output since the previous chunk; the last chunk has `finish_reason`."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    # Set on the last chunk: evidence of where the prompt's KV came from, e.g.
+    # {"remote_prefill": True, "num_cached_tokens": 12}. Shown to clients in
+    # the final frame and used by tests to prove a NIXL transfer happened.
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV cache in use, 0..1
+
+
+class Engine(abc.ABC):
+    """One model replica. All methods are called from the worker's event loop."""
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights / allocate KV cache. May take tens of seconds."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @abc.abstractmethod
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Compute the prompt's KV and keep it for a remote decode engine to pull."""
+
+    @abc.abstractmethod
+    def generate(
+        self, req: EngineRequest, kv_handle: dict[str, Any] | None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream the output. With `kv_handle`, pull the prompt's KV from the
+        prefill engine it names; without, prefill locally (colocated)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,181 @@
+"""`sim`: a continuous-batching engine with a timing model instead of weights.
+
+A documented backend (like Dynamo's mocker), never a fallback for `vllm`. It
+runs the same step loop shape as a real engine so that queueing, batching and
+preemption effects show up in fleet tests:
+
+  step = prefill step, if prompts are waiting: base + per_token * tokens in the step
+       | decode step otherwise: base + per_seq * running sequences (one token each)
+
+Output tokens are deterministic bytes (see SimTokenizer: token id = byte), a
+function of the prompt, so tests can compare runs. A "KV handle" names the
+prefill engine and the prompt length; the decode side charges no transfer time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
+
+_TEXT = (
+    b"Skyline simulated output: the quick brown fox jumps over the lazy dog while the scheduler "
+    b"keeps every engine busy and every deadline in sight. "
+)
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    prefill_base_s: float = 0.005
+    prefill_per_token_s: float = 0.0001
+    decode_base_s: float = 0.01
+    decode_per_seq_s: float = 0.001
+    max_batch_tokens: int = 4096  # prompt tokens per prefill step
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    prefill_only: bool
+    remote_kv: bool
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    produced: int = 0
+    text: bytes = b""
+    start: int = 0
+
+
+_ABORTED = object()
+
+
+class SimEngine(Engine):
+    kind = "sim"
+
+    def __init__(self, timing: SimTiming | None = None, engine_id: str | None = None):
+        self.timing = timing or SimTiming()
+        self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:8]}"
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Seq] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._step_loop(), name="sim-engine")
+
+    async def shutdown(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        seq = self._admit(req, prefill_only=True, remote_kv=False)
+        item = await seq.out.get()
+        if item is _ABORTED:
+            raise asyncio.CancelledError(f"request {req.request_id} aborted")
+        handle = {"engine_id": self.engine_id, "request_id": req.request_id, "num_tokens": len(req.prompt_token_ids)}
+        return PrefillResult(kv_handle=handle, prompt_tokens=len(req.prompt_token_ids))
+
+    async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
+        seq = self._admit(req, prefill_only=False, remote_kv=kv_handle is not None)
+        try:
+            while True:
+                items = [await seq.out.get()]
+                while not seq.out.empty():  # coalesce what piled up while the consumer was busy
+                    items.append(seq.out.get_nowait())
+                tokens: list[int] = []
+                finish = None
+                for item in items:
+                    if item is _ABORTED:
+                        finish = "abort"
+                        break
+                    tokens.append(item[0])
+                    finish = item[1] or finish
+                chunk = GenerationChunk(token_ids=tokens, text=bytes(tokens).decode("utf-8", "replace"))
+                if finish:
+                    chunk.finish_reason = finish
+                    chunk.kv_transfer = {
+                        "remote_prefill": seq.remote_kv,
+                        "num_cached_tokens": len(req.prompt_token_ids) if seq.remote_kv else 0,
+                        "source_engine": (kv_handle or {}).get("engine_id"),
+                    }
+                    yield chunk
+                    return
+                yield chunk
+        finally:
+            self._drop(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._drop(request_id)
+            seq.out.put_nowait(_ABORTED)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self._running), waiting=len(self._waiting), kv_usage=0.0)
+
+    def _admit(self, req: EngineRequest, prefill_only: bool, remote_kv: bool) -> _Seq:
+        seq = _Seq(req, prefill_only, remote_kv)
+        seq.start = int.from_bytes(hashlib.blake2b(bytes(str(req.prompt_token_ids), "ascii"), digest_size=4).digest(), "big")
+        self._by_id[req.request_id] = seq
+        if remote_kv:
+            self._running.append(seq)  # KV arrives from the prefill engine: straight to decode
+        else:
+            self._waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def _drop(self, request_id: str) -> None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+
+    async def _step_loop(self) -> None:
+        t = self.timing
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            if self._waiting:
+                batch, tokens = [], 0
+                while self._waiting and (not batch or tokens + len(self._waiting[0].req.prompt_token_ids) <= t.max_batch_tokens):
+                    seq = self._waiting.popleft()
+                    batch.append(seq)
+                    tokens += len(seq.req.prompt_token_ids)
+                await asyncio.sleep(t.prefill_base_s + t.prefill_per_token_s * tokens)
+                for seq in batch:
+                    if seq.req.request_id not in self._by_id:
+                        continue  # aborted during the step
+                    if seq.prefill_only:
+                        self._drop(seq.req.request_id)
+                        seq.out.put_nowait((0, None))
+                    else:
+                        self._running.append(seq)
+                        self._emit(seq)  # the prefill step also samples the first token
+            else:
+                await asyncio.sleep(t.decode_base_s + t.decode_per_seq_s * len(self._running))
+                for seq in list(self._running):
+                    self._emit(seq)
+
+    def _emit(self, seq: _Seq) -> None:
+        token = _TEXT[(seq.start + seq.produced) % len(_TEXT)]
+        seq.produced += 1
+        seq.text += bytes([token])
+        sampling = seq.req.sampling
+        finish = None
+        if any(s and s.encode() in seq.text for s in sampling.stop):
+            finish = "stop"
+        elif seq.produced >= sampling.max_tokens:
+            finish = "length"
+        if finish:
+            self._drop(seq.req.request_id)
+        seq.out.put_nowait((token, finish))

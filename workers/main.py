@@ -1,0 +1,51 @@
+"""Entry point of one worker process: build the engine, run the role's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from skyline.config import EngineConfig, SkylineConfig
+from skyline.redis_server import free_port
+from skyline.workers.engines.base import Engine
+
+log = logging.getLogger("skyline.worker")
+
+
+def build_engine(ec: EngineConfig, model_path: str) -> Engine:
+    """The engine named in config; an unknown kind is an error, never a fallback."""
+    if ec.kind == "sim":
+        from skyline.workers.engines.sim import SimEngine, SimTiming
+
+        return SimEngine(
+            SimTiming(ec.sim_prefill_base_s, ec.sim_prefill_per_token_s, ec.sim_decode_base_s, ec.sim_decode_per_seq_s)
+        )
+    if ec.kind == "vllm":
+        from skyline.workers.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(
+            model=model_path, dtype=ec.dtype, max_model_len=ec.max_model_len, kv_cache_gib=ec.kv_cache_gib,
+            cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or free_port(),
+        )
+    raise ValueError(f"unknown engine {ec.kind!r}: expected 'vllm' or 'sim'")
+
+
+async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> None:
+    from skyline.workers.decode import DecodeHandler
+    from skyline.workers.prefill import PrefillHandler
+    from skyline.workers.runtime import WorkerRuntime
+
+    engine = build_engine(cfg.engine, model_path)
+    rt = WorkerRuntime(cfg, engine, model_name)
+    handler = PrefillHandler(rt) if rt.role == "prefill" else DecodeHandler(rt)
+    await rt.run(handler)
+
+
+def main(cfg: SkylineConfig, model_path: str, model_name: str) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run_worker(cfg, model_path, model_name))

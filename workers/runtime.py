@@ -1,0 +1,220 @@
+"""What every worker process does around its engine, whatever its role.
+
+  - joins its stage's consumer group and claims work in EDF order while it has
+    room (`max_running`, and a prompt-token budget for prefill);
+  - heartbeats its load to `skyline:worker:<id>`;
+  - listens on `skyline:cancel` and aborts requests it holds;
+  - skips requests whose client already left (tombstone);
+  - on SIGTERM/SIGINT stops claiming, finishes what it holds, deregisters;
+  - if its main loop dies, the process exits (no zombie worker that
+    heartbeats but never serves).
+
+The role-specific part is a `handle(claimed)` coroutine (prefill.py, decode.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
+
+from skyline import messages
+from skyline.config import SkylineConfig
+from skyline.fleet import WorkerInfo, deregister, heartbeat
+from skyline.keys import Keys
+from skyline.streams import Claimed, TierQueues, ensure_groups
+from skyline.workers.engines.base import Engine
+
+log = logging.getLogger("skyline.worker")
+
+STAGE_OF_ROLE = {"prefill": "prefill", "decode": "decode"}
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: SkylineConfig, engine: Engine, model_name: str):
+        role = cfg.worker.role
+        if role not in STAGE_OF_ROLE:
+            raise ValueError(f"unknown worker role {role!r}: expected prefill or decode")
+        self.cfg = cfg
+        self.engine = engine
+        self.role = role
+        self.stage = STAGE_OF_ROLE[role]
+        self.keys = Keys(cfg.key_prefix)
+        self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.redis = aioredis.from_url(cfg.redis.url, socket_keepalive=True, health_check_interval=10)
+        self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id)
+        self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
+        self.prompt_tokens_in_flight = 0
+        self.stopping = asyncio.Event()
+        self.info = WorkerInfo(
+            worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
+            pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
+        )
+        self.handle: Callable[[Claimed], Awaitable[None]] | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def run(self, handle: Callable[[Claimed], Awaitable[None]], install_signals: bool = True) -> None:
+        self.handle = handle
+        await self.engine.start()
+        await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stopping.set)
+        await self._beat()
+        log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
+        side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]
+        try:
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            for t in side:
+                t.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            try:
+                await deregister(self.redis, self.keys, self.worker_id)
+            except (RedisConnectionError, RedisTimeoutError):
+                pass
+            await self.engine.shutdown()
+            await self.redis.aclose()
+            log.info("worker %s stopped", self.worker_id)
+
+    async def _drain(self, timeout_s: float = 60.0) -> None:
+        """Graceful scale-in: let held requests finish (bounded), so no entry is
+        left pending on a consumer that is going away."""
+        tasks = [t for t, _ in self.in_flight.values()]
+        if tasks:
+            log.info("draining %d request(s)", len(tasks))
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    # -- claiming ------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        if len(self.in_flight) >= self.cfg.worker.max_running:
+            return False
+        if self.role == "prefill" and self.prompt_tokens_in_flight >= self.cfg.worker.prefill_token_budget:
+            return False
+        return True
+
+    async def _claim_loop(self) -> None:
+        room = asyncio.Event()
+        room.set()
+        backoff = 0.1
+        while not self.stopping.is_set():
+            if not self.has_room():
+                room.clear()
+                await _wait_any(room, self.stopping, timeout=1.0)
+                continue
+            try:
+                claimed = await self.queues.claim(block_ms=500)
+                backoff = 0.1
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                await _wait_any(self.stopping, timeout=backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer groups missing (Redis restarted?); recreating")
+                await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
+                continue
+            if claimed is None:
+                continue
+            self._start(claimed, room)
+
+    def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
+        rid = _request_of(claimed.message).request_id
+        tokens = len(_request_of(claimed.message).prompt_token_ids)
+        self.prompt_tokens_in_flight += tokens
+
+        async def guarded() -> None:
+            try:
+                if await self.redis.exists(self.keys.cancelled(rid)):
+                    log.info("skip %s: cancelled while queued", rid)
+                    await self.queues.ack(claimed)
+                    return
+                assert self.handle is not None
+                await self.handle(claimed)
+            except asyncio.CancelledError:
+                await self.queues.ack(claimed)  # cancelled by the client: nothing left to deliver
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
+                log.exception("request %s failed", rid)
+                await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
+            finally:
+                self.in_flight.pop(rid, None)
+                self.prompt_tokens_in_flight -= tokens
+                room.set()
+
+        task = asyncio.create_task(guarded(), name=f"{self.role}:{rid}")
+        self.in_flight[rid] = (task, claimed)
+
+    async def fail(self, claimed: Claimed, status: int, message: str) -> None:
+        """End a request with an explicit error frame, record it in the dead-letter
+        stream, and ack it: never drop a request silently."""
+        req = _request_of(claimed.message)
+        frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.publish(self.keys.tokens(req.request_id), messages.encode(frame))
+        pipe.xadd(
+            self.keys.dead,
+            {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": message,
+             "msg": messages.encode(claimed.message)},
+            maxlen=10_000, approximate=True,
+        )
+        pipe.xack(claimed.stream, self.queues.group, claimed.entry_id)
+        await pipe.execute()
+
+    # -- side loops --------------------------------------------------------------
+
+    async def _beat(self) -> None:
+        s = self.engine.stats()
+        self.info.running, self.info.waiting, self.info.kv_usage = len(self.in_flight), s.waiting, s.kv_usage
+        await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_s)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.worker.heartbeat_s)
+            try:
+                await self._beat()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel)
+                async for msg in pubsub.listen():
+                    cancel = messages.decode(msg["data"])
+                    if isinstance(cancel, messages.Cancel) and cancel.request_id in self.in_flight:
+                        log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
+                        await self.engine.abort(cancel.request_id)
+                        self.in_flight[cancel.request_id][0].cancel()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("cancel listener lost redis (%s); resubscribing", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
+
+
+def _request_of(msg: messages.Message) -> messages.GenerateRequest:
+    return msg.request if isinstance(msg, messages.DecodeWork) else msg  # type: ignore[return-value]
+
+
+async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
