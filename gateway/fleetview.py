@@ -1,0 +1,76 @@
+"""The gateway's cached view of which worker roles are alive.
+
+Reading heartbeats from Redis on every request would add a round trip to the
+hot path, so a background task refreshes the view every ~0.5 s. A request
+that finds a role missing forces one fresh read before giving up, so a worker
+that started a moment ago is not refused for up to one refresh period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from skyline.fleet import WorkerInfo, list_workers
+from skyline.keys import Keys
+
+log = logging.getLogger("skyline.gateway.fleet")
+
+# The command an operator runs to bring up each role (used in 503 messages).
+START_HINT = {
+    "prefill": "skyline worker prefill",
+    "decode": "skyline worker decode",
+}
+
+
+class FleetView:
+    def __init__(self, r: aioredis.Redis, keys: Keys, liveness_s: float, refresh_s: float = 0.5):
+        self.r = r
+        self.keys = keys
+        self.liveness_s = liveness_s
+        self.refresh_s = refresh_s
+        self.workers: list[WorkerInfo] = []
+        self.roles: Counter[str] = Counter()
+        self.error: str | None = None  # last refresh failure (Redis down), None when healthy
+        self.refreshed_at = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        try:
+            workers = await list_workers(self.r, self.keys, self.liveness_s)
+        except (RedisError, OSError) as exc:
+            if self.error is None:
+                log.warning("cannot read worker heartbeats: %s", exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.workers = workers
+        self.roles = Counter(w.role for w in workers)
+        self.error = None
+        self.refreshed_at = time.monotonic()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="fleet-view")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def missing(self, needed: tuple[str, ...]) -> list[str]:
+        """Roles in `needed` with no live worker (after one fresh read if the cache says so)."""
+        absent = [role for role in needed if not self.roles.get(role)]
+        if absent and time.monotonic() - self.refreshed_at > 0.05:
+            await self.refresh()
+            absent = [role for role in needed if not self.roles.get(role)]
+        return absent

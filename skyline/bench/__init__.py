@@ -1,0 +1,1 @@
+"""Benchmarks (`skyline bench ...`): load generators and reports, measured not asserted."""

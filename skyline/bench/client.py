@@ -1,0 +1,80 @@
+"""An OpenAI streaming client that records what a benchmark needs per request.
+
+Definitions follow `vllm bench serve`: TTFT = first content chunk - send;
+ITL = gaps between content chunks; TPOT = (latency - TTFT) / (output tokens - 1).
+Output tokens come from the server's usage (stream_options.include_usage).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    sent: float = 0.0  # time.perf_counter() at send
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)  # seconds after `sent`
+    skyline: dict = field(default_factory=dict)  # the gateway's extension object, when present
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> RequestRecord:
+    """POST a streaming (chat) completion and time it; never raises for HTTP/transport errors."""
+    rec = RequestRecord(sent=time.perf_counter())
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            rec.status = resp.status_code
+            if resp.status_code != 200:
+                rec.error = (await resp.aread()).decode(errors="replace")[:500]
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = chunk["error"].get("message", "error")
+                    return rec
+                now = time.perf_counter() - rec.sent
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        rec.ttft_s = rec.ttft_s or now
+                        rec.chunk_times.append(now)
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if chunk.get("skyline"):
+                    rec.skyline = chunk["skyline"]
+        rec.latency_s = time.perf_counter() - rec.sent
+        rec.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,115 @@
+"""`skyline bench overhead`: what the fleet itself costs, with engines that cost nothing.
+
+Starts Redis, a gateway and 1 prefill + 1 decode worker on the `sim` engine
+with every timing set to zero, then measures from a client on the same machine:
+  1. added latency: sequential requests, client-side TTFT (= gateway +
+     Redis + both workers' handling, since the engines take no time), p50/p99;
+  2. throughput: C concurrent streaming clients for D seconds: requests/s and
+     streamed tokens/s through one gateway.
+Everything (client included) shares this machine's cores, as a real
+single-host deployment would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from skyline.bench.client import percentile, stream_completion
+from skyline.redis_server import free_port, start_redis
+
+ZERO_SIM = """
+[engine]
+sim_prefill_base_s = 0.0
+sim_prefill_per_token_s = 0.0
+sim_decode_base_s = 0.0
+sim_decode_per_seq_s = 0.0
+"""
+
+
+def _start_fleet(workdir: Path) -> tuple[list[subprocess.Popen], str]:
+    cfg = workdir / "zero.toml"
+    cfg.write_text(ZERO_SIM)
+    rport, gport = free_port(), free_port()
+    redis = start_redis(rport, workdir / "redis")
+    common = ["--redis-url", f"redis://127.0.0.1:{rport}/0", "--engine", "sim", "--config", str(cfg), "--log-level", "WARNING"]
+    argvs = [["gateway", *common, "--port", str(gport)], ["worker", "prefill", *common], ["worker", "decode", *common, "--max-running", "256"]]
+    procs = [redis] + [subprocess.Popen([sys.executable, "-m", "skyline.cli", *a]) for a in argvs]
+    url = f"http://127.0.0.1:{gport}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            workers = httpx.get(f"{url}/health", timeout=1).json().get("workers", {})
+            if workers.get("prefill") and workers.get("decode"):
+                return procs, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("sim fleet did not start")
+
+
+async def _latency(url: str, n: int) -> dict:
+    async with httpx.AsyncClient(timeout=30) as client:
+        body = {"model": "skyline-sim", "prompt": "How long does the fleet itself take?", "max_tokens": 1}
+        for _ in range(20):  # warm-up: connections, code paths
+            await stream_completion(client, f"{url}/v1/completions", body)
+        recs = [await stream_completion(client, f"{url}/v1/completions", body) for _ in range(n)]
+    ttfts = [r.ttft_s * 1000 for r in recs if r.ok]
+    return {"requests": n, "ok": len(ttfts), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99)}
+
+
+async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens: int) -> dict:
+    body = {"model": "skyline-sim", "prompt": "stream as fast as you can", "max_tokens": max_tokens, "ignore_eos": True}
+    done: list = []
+    stop_at = time.perf_counter() + duration_s
+
+    async def user(client: httpx.AsyncClient) -> None:
+        while time.perf_counter() < stop_at:
+            done.append(await stream_completion(client, f"{url}/v1/completions", body))
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(client) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    ok = [r for r in done if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.chunk_times) for r in ok)
+    return {
+        "concurrency": concurrency, "seconds": round(elapsed, 2), "requests_ok": len(ok), "requests_failed": len(done) - len(ok),
+        "requests_per_s": len(ok) / elapsed, "streamed_tokens_per_s": tokens / elapsed,
+        # Frames carry every token the engine produced since the last frame, so
+        # SSE chunks/s (one per frame) is the fleet's message rate.
+        "sse_chunks_per_s": chunks / elapsed,
+        "ttft_p50_ms": percentile([r.ttft_s * 1000 for r in ok], 50),
+        "ttft_p99_ms": percentile([r.ttft_s * 1000 for r in ok], 99),
+    }
+
+
+def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, max_tokens: int = 256) -> dict:
+    with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp:
+        procs, url = _start_fleet(Path(tmp))
+        try:
+            result = {
+                "machine": {"cpus": os.cpu_count()},
+                "added_latency": asyncio.run(_latency(url, n_latency)),
+                "throughput": asyncio.run(_throughput(url, concurrency, duration_s, max_tokens)),
+            }
+        finally:
+            for p in reversed(procs):  # workers and gateway before Redis
+                p.terminate()
+                p.wait(timeout=30)
+    return result
+
+
+def main(args) -> None:
+    result = run(args.requests, args.concurrency, args.duration, args.max_tokens)
+    print(json.dumps(result, indent=2))

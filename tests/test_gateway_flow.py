@@ -1,0 +1,312 @@
+"""The gateway's request flow with the test playing the worker by hand (redis-py, real Redis):
+what it enqueues, how it relays frames in both OpenAI shapes, and how it cancels."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+import redis
+
+from skyline import messages
+from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.gateway.testing import GatewayThread, announce_workers
+from skyline.keys import Keys
+from skyline.tokenizer import SimTokenizer
+
+MODEL = "sim-model"
+MAX_MODEL_LEN = 512
+
+
+class HandWorker:
+    """Plays a prefill/decode worker: claims what the gateway enqueued and publishes frames."""
+
+    def __init__(self, redis_url: str, keys: Keys):
+        self.r = redis.Redis.from_url(redis_url)
+        self.keys = keys
+
+    def take(self, stage: str, tier: str = "standard", timeout_s: float = 5.0):
+        resp = self.r.xreadgroup(Keys.group(stage), "hand-worker", {self.keys.stream(stage, tier): ">"},
+                                 count=1, block=int(timeout_s * 1000))
+        assert resp, f"nothing enqueued on {stage}/{tier}"
+        [(_key, [(_entry_id, fields)])] = resp
+        return {k.decode(): v for k, v in fields.items()}, messages.decode(fields[b"msg"])
+
+    def send(self, *frames: messages.Message, gap_s: float = 0.0) -> None:
+        for f in frames:
+            assert self.r.publish(self.keys.tokens(f.request_id), messages.encode(f)) == 1, "gateway not listening"
+            if gap_s:
+                time.sleep(gap_s)
+
+    def script(self, rid: str, texts: list[str], finish: str = "stop", prompt_tokens: int = 0) -> list:
+        frames, index = [], 0
+        for seq, text in enumerate(texts):
+            frames.append(messages.TokenDelta(rid, seq, index, [ord(c) for c in text], text))
+            index += len(text)
+        frames.append(messages.Finished(rid, len(texts), finish, prompt_tokens, index,
+                                        timings={"prefill_ms": 1.5, "decode_ms": 4.0},
+                                        kv_transfer={"bytes": 4096, "ms": 0.7},
+                                        decode_worker="decode-hand-1", prefill_worker="prefill-hand-0"))
+        return frames
+
+
+def make_cfg(redis_url: str, key_prefix: str, **gateway: object) -> SkylineConfig:
+    gw = replace(GatewayConfig(), worker_liveness_s=600, **gateway)
+    return SkylineConfig(redis=RedisConfig(url=redis_url), gateway=gw, key_prefix=key_prefix)
+
+
+@pytest.fixture
+def fleet(redis_url, key_prefix):
+    """A gateway plus a hand-played worker of each role."""
+    cfg = make_cfg(redis_url, key_prefix)
+    announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
+    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        with ThreadPoolExecutor(2) as pool:
+            yield gw, client, HandWorker(redis_url, Keys(key_prefix)), pool
+
+
+def test_completion_non_stream(fleet):
+    gw, client, worker, pool = fleet
+    t0 = time.time() * 1000
+    fut = pool.submit(client.completions.with_raw_response.create, model=MODEL, prompt="Hello there",
+                      max_tokens=5, temperature=0, seed=7, stop="\n")
+    fields, msg = worker.take("prefill")
+    assert isinstance(msg, messages.GenerateRequest)
+    assert msg.request_id.startswith("cmpl-") and fields["id"] == msg.request_id.encode()
+    assert fields["tier"] == b"standard" and msg.tier == "standard" and msg.priority == 1
+    assert msg.prompt_token_ids == list(b"Hello there") and msg.route == "disagg" and msg.model == MODEL
+    assert abs(msg.arrival_ms - t0) < 2000 and msg.deadline_ms == msg.arrival_ms + 5000
+    assert (msg.ttft_ms, msg.tpot_ms) == (5000, 500)
+    s = msg.sampling
+    assert (s.max_tokens, s.temperature, s.seed, s.stop, s.top_p, s.stop_token_ids) == (5, 0.0, 7, ["\n"], 1.0, [])
+    worker.send(*worker.script(msg.request_id, ["Hi", " you", "!"], prompt_tokens=11))
+    raw = fut.result()
+    assert raw.headers["x-skyline-request-id"] == msg.request_id and raw.headers["x-skyline-tier"] == "standard"
+    body = raw.http_response.json()
+    assert body["object"] == "text_completion" and body["id"] == msg.request_id and body["model"] == MODEL
+    assert body["choices"][0]["text"] == "Hi you!" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+    sky = body["skyline"]
+    assert sky["tier"] == "standard" and sky["route"] == "disagg" and sky["slo_met"] is True
+    assert sky["ttft_ms"] > 0 and sky["tpot_ms"] >= 0
+    assert sky["prefill_worker"] == "prefill-hand-0" and sky["decode_worker"] == "decode-hand-1"
+    assert sky["kv_transfer"] == {"bytes": 4096, "ms": 0.7} and sky["timings"]["prefill_ms"] == 1.5
+    assert raw.parse().choices[0].text == "Hi you!"  # and the openai client is happy with the shape
+
+
+def test_chat_stream_colocated_with_usage(fleet):
+    gw, client, worker, pool = fleet
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+
+    def run():
+        stream = client.chat.completions.create(
+            model=MODEL, messages=msgs, stream=True, stream_options={"include_usage": True},
+            extra_headers={"x-skyline-route": "colocated", "x-slo-tier": "interactive"})
+        return list(stream)
+
+    fut = pool.submit(run)
+    fields, work = worker.take("decode", "interactive")
+    assert isinstance(work, messages.DecodeWork) and work.kv_handle is None
+    msg = work.request
+    assert msg.request_id.startswith("chatcmpl-") and msg.route == "colocated" and msg.priority == 0
+    expected = SimTokenizer().apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "Hello"}])
+    assert msg.prompt_token_ids == expected and fields["prompt_tokens"] == str(len(expected)).encode()
+    assert msg.sampling.max_tokens == 256 and msg.sampling.temperature == 1.0  # OpenAI defaults
+    worker.send(*worker.script(msg.request_id, ["The", " answer", "."], finish="length"), gap_s=0.02)
+    chunks = fut.result()
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The answer."
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 11
+    assert last.usage.prompt_tokens == len(expected)  # the worker sent 0: the gateway knows the prompt
+    sky = last.model_extra["skyline"]
+    assert sky["tier"] == "interactive" and sky["route"] == "colocated" and sky["slo_met"] is True
+    assert sky["tpot_ms"] is not None and sky["slo_target"] == {"ttft_ms": 1000, "tpot_ms": 250}
+    assert {c.id for c in chunks} == {msg.request_id}
+
+
+def test_raw_sse_shape_and_done(fleet):
+    gw, _client, worker, pool = fleet
+
+    def run():
+        with httpx.stream("POST", gw.url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "abc", "max_tokens": 8, "stream": True}) as resp:
+            return resp.status_code, dict(resp.headers), resp.read().decode()
+
+    fut = pool.submit(run)
+    _fields, msg = worker.take("prefill")
+    frames = worker.script(msg.request_id, ["x", "y", "z"])
+    worker.send(frames[0])
+    time.sleep(0.05)
+    worker.send(*frames[1:])  # the last delta and Finished may arrive together
+    status, headers, text = fut.result()
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers["x-skyline-request-id"] == msg.request_id
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(c["object"] == "text_completion" and c["id"] == msg.request_id for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "xyz"
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "skyline" in chunks[-1] and "usage" not in chunks[-1]  # no include_usage: no usage chunk
+
+
+def test_duplicate_frames_are_not_repeated(fleet):
+    gw, client, worker, pool = fleet
+    fut = pool.submit(client.completions.create, model=MODEL, prompt="dup", max_tokens=4)
+    _f, msg = worker.take("prefill")
+    a, b, fin = worker.script(msg.request_id, ["A", "B"])
+    worker.send(a, a, b, a, b, fin)
+    assert fut.result().choices[0].text == "AB"
+
+
+def test_failed_frame_becomes_http_error(fleet):
+    gw, client, worker, pool = fleet
+    fut = pool.submit(client.completions.create, model=MODEL, prompt="boom", max_tokens=4)
+    _f, msg = worker.take("prefill")
+    worker.send(messages.Failed(msg.request_id, 1 << 30, 500, "engine exploded", "server_error", "engine_error"))
+    with pytest.raises(openai.InternalServerError) as ei:
+        fut.result()
+    assert ei.value.status_code == 500 and ei.value.response.json()["error"]["message"] == "engine exploded"
+    # A stream that fails before its first token also gets a real HTTP status.
+    fut = pool.submit(lambda: list(client.completions.create(model=MODEL, prompt="x", stream=True)))
+    _f, msg = worker.take("prefill")
+    worker.send(messages.Failed(msg.request_id, 0, 429, "shed: SLO cannot be met", "rate_limit_error"))
+    with pytest.raises(openai.RateLimitError):
+        fut.result()
+
+
+def test_failure_mid_stream_is_an_sse_error(fleet):
+    gw, client, worker, pool = fleet
+    got: list[str] = []
+
+    def run():
+        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}],
+                                                    stream=True):
+            got.append(chunk.choices[0].delta.content or "")
+
+    fut = pool.submit(run)
+    _f, msg = worker.take("prefill")
+    worker.send(messages.TokenDelta(msg.request_id, 0, 0, [1], "par"))
+    worker.send(messages.Failed(msg.request_id, 1, 502, "decode worker died", "server_error"))
+    with pytest.raises(openai.APIError) as ei:
+        fut.result()
+    assert "decode worker died" in str(ei.value) and "".join(got) == "par"
+
+
+def _wait_cancel(pubsub, timeout_s: float = 5.0) -> messages.Cancel:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = pubsub.get_message(timeout=0.1)
+        if m and m["type"] == "message":
+            return messages.decode(m["data"])
+    raise AssertionError("no Cancel published")
+
+
+@pytest.fixture
+def cancels(redis_url, key_prefix):
+    ps = redis.Redis.from_url(redis_url).pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(Keys(key_prefix).cancel)
+    yield ps
+    ps.close()
+
+
+def test_stream_disconnect_cancels(fleet, cancels):
+    gw, _client, worker, pool = fleet
+
+    def run():
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "long story"}], "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if '"content":"once"' in line:
+                    return  # leave mid-stream: closes the connection
+
+    fut = pool.submit(run)
+    _f, msg = worker.take("prefill")
+    worker.send(messages.TokenDelta(msg.request_id, 0, 0, [1], "once"))
+    fut.result()
+    cancel = _wait_cancel(cancels)
+    assert cancel.request_id == msg.request_id and cancel.reason == "client_disconnected"
+    ttl = worker.r.ttl(worker.keys.cancelled(msg.request_id))
+    assert 0 < ttl <= 600
+
+
+def test_non_stream_disconnect_cancels(fleet, cancels):
+    gw, _client, worker, pool = fleet
+    fut = pool.submit(httpx.post, gw.url + "/v1/completions", json={"model": MODEL, "prompt": "p"}, timeout=0.5)
+    _f, msg = worker.take("prefill")  # ... and never answer
+    with pytest.raises(httpx.ReadTimeout):
+        fut.result()
+    cancel = _wait_cancel(cancels)
+    assert cancel.request_id == msg.request_id
+    assert worker.r.get(worker.keys.cancelled(msg.request_id)) == b"1"
+
+
+def test_timeouts(redis_url, key_prefix, cancels):
+    cfg = make_cfg(redis_url, key_prefix, first_frame_timeout_s=0.4, request_timeout_s=1.0)
+    keys = Keys(key_prefix)
+    announce_workers(redis_url, keys, "prefill", "decode", model=MODEL)
+    worker = HandWorker(redis_url, keys)
+    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.completions.create(model=MODEL, prompt="silence")
+        assert ei.value.status_code == 503 and time.monotonic() - t0 < 2
+        _f, msg = worker.take("prefill")
+        assert _wait_cancel(cancels).request_id == msg.request_id
+        # Output that starts but never finishes: 504 at request_timeout_s.
+        fut = pool.submit(client.completions.create, model=MODEL, prompt="slow")
+        _f, msg = worker.take("prefill")
+        worker.send(messages.TokenDelta(msg.request_id, 0, 0, [1], "a"))
+        with pytest.raises(openai.APIStatusError) as ei:
+            fut.result()
+        assert ei.value.status_code == 504
+        assert _wait_cancel(cancels).request_id == msg.request_id
+
+
+def test_slo_from_body_and_headers(fleet):
+    gw, client, worker, pool = fleet
+    # A TTFT tighter than the default tier's moves the request to the interactive stream.
+    fut = pool.submit(client.completions.create, model=MODEL, prompt="q", extra_body={"slo": {"ttft_ms": 800}})
+    _f, msg = worker.take("prefill", "interactive")
+    assert (msg.tier, msg.ttft_ms, msg.deadline_ms - msg.arrival_ms) == ("interactive", 800, 800)
+    worker.send(*worker.script(msg.request_id, ["ok"]))
+    assert fut.result().model_extra["skyline"]["tier"] == "interactive"
+    # Headers win over the body.
+    fut = pool.submit(client.completions.create, model=MODEL, prompt="q",
+                      extra_body={"slo": {"tier": "batch", "tpot_ms": 100}},
+                      extra_headers={"x-slo-tier": "standard", "x-slo-tpot-ms": "50"})
+    _f, msg = worker.take("prefill", "standard")
+    assert (msg.tier, msg.tpot_ms, msg.ttft_ms) == ("standard", 50, 5000)
+    worker.send(*worker.script(msg.request_id, ["ok"]))
+    fut.result()
+
+
+def test_short_prompts_prefilled_on_decode_worker(redis_url, key_prefix):
+    cfg = make_cfg(redis_url, key_prefix, min_remote_prefill_tokens=16)
+    keys = Keys(key_prefix)
+    announce_workers(redis_url, keys, "decode", model=MODEL)  # a short prompt needs no prefill worker
+    worker = HandWorker(redis_url, keys)
+    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        fut = pool.submit(client.completions.create, model=MODEL, prompt="short")
+        _f, work = worker.take("decode")
+        assert work.request.route == "colocated"
+        worker.send(*worker.script(work.request.request_id, ["k"]))
+        assert fut.result().choices[0].text == "k"
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'skyline_gateway_requests_total{route="colocated",status="200",tier="standard"} 1.0' in metrics
+        assert 'skyline_gateway_ttft_seconds_count{tier="standard"} 1.0' in metrics
