@@ -33,6 +33,10 @@ class EngineConfig:
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     nixl_host: str = "127.0.0.1"  # address other hosts use to pull KV from this engine
     nixl_port: int | None = None  # NIXL side-channel port, distinct per engine on one host
+    # How long a prefill engine keeps KV blocks for a handle nobody pulled. A decode
+    # worker re-prefills locally when a handle is older than 80% of this, because
+    # vLLM may hand out the blocks of an expired lease to other requests.
+    kv_lease_s: float = 60.0
     # sim engine timing model (seconds): prefill = base + per_token * prompt tokens,
     # decode step = base + per_seq * running sequences.
     sim_prefill_base_s: float = 0.005
@@ -46,7 +50,13 @@ class WorkerConfig:
     role: str = "decode"  # "prefill" or "decode"
     worker_id: str = ""  # "" = <role>-<host>-<pid>
     max_running: int = 32  # decode: sequences in the engine at once; prefill: prompts at once
-    prefill_token_budget: int = 4096  # prefill: prompt tokens handed to the engine at once
+    # prefill: prompt tokens handed to the engine at once. Small on purpose: the
+    # backlog waits in Redis in deadline order instead of inside one engine.
+    prefill_token_budget: int = 2048
+    kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
+    preemption: bool = True  # prefill: abort a looser-tier prompt when a stricter one would be late
+    max_preemptions: int = 2  # per request: bounds starvation of the batch tier
+    prior_prefill_tokens_per_s: float = 1000.0  # throughput assumed until one is measured
     heartbeat_s: float = 1.0  # heartbeat period; the worker hash expires after 3 periods
 
 

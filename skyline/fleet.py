@@ -23,6 +23,8 @@ class WorkerInfo:
     kv_usage: float
     started: float
     last_seen: float  # Unix seconds of the last heartbeat
+    running_tokens: int = 0  # prompt tokens held (prefill) — admission counts them as ahead
+    tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
 
 
 async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, period_s: float) -> None:
@@ -66,6 +68,7 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 worker_id=d["worker_id"], role=d["role"], engine=d["engine"], model=d["model"], host=d["host"],
                 pid=int(d["pid"]), running=int(d["running"]), waiting=int(d["waiting"]),
                 kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
+                running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
             )
         )
     return out

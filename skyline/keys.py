@@ -71,6 +71,20 @@ class Keys:
         return f"{self.prefix}:worker:{worker_id}"
 
     @property
+    def backlog(self) -> str:
+        """HASH `skyline:backlog` — `<stage>:<tier>` -> prompt tokens queued and not yet claimed.
+
+        HINCRBY'd by whoever enqueues, decremented by the worker that claims;
+        read by the gateway's admission control. An estimate (a crash between
+        claim and decrement skews it), clamped at 0 by readers.
+        """
+        return f"{self.prefix}:backlog"
+
+    @staticmethod
+    def backlog_field(stage: str, tier: str) -> str:
+        return f"{stage}:{tier}"
+
+    @property
     def dead(self) -> str:
         """STREAM `skyline:dead` — requests that could not be processed (poison / failed), for humans."""
         return f"{self.prefix}:dead"

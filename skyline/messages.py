@@ -58,6 +58,7 @@ class GenerateRequest:
     priority: int = 0
     route: str = "disagg"  # "disagg": prefill worker then decode worker; "colocated": decode worker does both
     attempt: int = 0
+    preemptions: int = 0  # times a prefill worker aborted and re-queued it for a stricter request
 
 
 @dataclass

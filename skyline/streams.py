@@ -19,6 +19,15 @@ from skyline.scheduler.tiers import Tier
 
 
 @dataclass
+class Head:
+    """The oldest undelivered entry of one tier stream, seen without claiming it."""
+
+    tier: str
+    deadline_ms: int
+    prompt_tokens: int
+
+
+@dataclass
 class Claimed:
     """One stream entry this consumer now owns (until it XACKs it)."""
 
@@ -60,8 +69,18 @@ async def enqueue(
         "max_tokens": req.sampling.max_tokens,
         "msg": messages.encode(msg),
     }
-    entry_id = await r.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
+    pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), len(req.prompt_token_ids))
+    entry_id, _ = await pipe.execute()
+    return _s(entry_id)
+
+
+async def queued_tokens(r: aioredis.Redis, keys: Keys, stage: str) -> dict[str, int]:
+    """tier -> prompt tokens waiting (not yet claimed) in the stage's streams."""
+    raw = await r.hgetall(keys.backlog)
+    prefix = f"{stage}:"
+    return {_s(k)[len(prefix):]: max(0, int(v)) for k, v in raw.items() if _s(k).startswith(prefix)}
 
 
 class TierQueues:
@@ -97,27 +116,29 @@ class TierQueues:
             out[key] = _s(last)
         return out
 
-    async def peek_heads(self, block_ms: int) -> dict[str, int]:
-        """tier -> deadline (ms) of the oldest undelivered entry; waits up to
-        `block_ms` for one to appear when every tier is empty."""
+    async def peek_heads(self, block_ms: int) -> dict[str, Head]:
+        """tier -> its oldest undelivered entry; waits up to `block_ms` for one
+        to appear when every tier is empty (0 = do not wait)."""
         last = await self._last_delivered()
-        resp = await self.r.xread(last, count=1, block=block_ms)
-        heads: dict[str, int] = {}
+        resp = await self.r.xread(last, count=1, block=block_ms or None)
+        heads: dict[str, Head] = {}
         for key, entries in resp or []:
             for _entry_id, fields in entries:
-                heads[self.tier_of[_s(key)]] = int(fields[b"deadline_ms"])
+                tier = self.tier_of[_s(key)]
+                heads[tier] = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]))
         return heads
 
     async def claim(self, block_ms: int = 1000) -> Claimed | None:
         """Claim the next entry in EDF order, or None if nothing arrived in `block_ms`."""
         heads = await self.peek_heads(block_ms)
-        tier = pick_tier(heads, self.tier_names)
+        tier = pick_tier({t: h.deadline_ms for t, h in heads.items()}, self.tier_names)
         if tier is None:
             return None
         key = self.stream_of[tier]
         resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
         for _key, entries in resp or []:
             for entry_id, fields in entries:
+                await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, tier), -int(fields[b"prompt_tokens"]))
                 return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]))
         return None  # another worker took it between peek and claim
 

@@ -274,3 +274,25 @@ def test_health_503_when_redis_is_down(key_prefix, tmp_path):
         with pytest.raises(openai.InternalServerError) as ei:
             client.completions.create(model=MODEL, prompt="hi")
         assert ei.value.status_code == 503
+
+
+class BrokenTokenizer(SimTokenizer):
+    """A tokenizer with a bug: what the client sees of an unexpected gateway failure."""
+
+    def encode(self, text: str) -> list[int]:
+        raise RuntimeError("secret internal detail")
+
+
+def test_unexpected_error_is_500_without_details(redis_url, key_prefix):
+    cfg = make_cfg(redis_url, key_prefix)
+    register_workers(redis_url, Keys(key_prefix), "prefill", "decode")
+    with GatewayThread(cfg, BrokenTokenizer(), MODEL, MAX_MODEL_LEN) as gw:
+        resp = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert resp.status_code == 500
+        err = resp.json()["error"]
+        assert err["type"] == "server_error" and "secret" not in resp.text and "Traceback" not in resp.text
+        # The chat template refusing a conversation is the client's problem, not ours.
+        resp = httpx.post(gw.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    assert_nothing_enqueued(redis_url, cfg)

@@ -89,7 +89,22 @@ async def test_peeking_does_not_claim(r, key_prefix):
     await ensure_groups(r, keys, TIERS, "prefill")
     await enqueue(r, keys, "prefill", request("x", "interactive", 1), 1000)
     q = TierQueues(r, keys, "prefill", DEFAULT_TIERS, "w")
-    assert await q.peek_heads(block_ms=10) == {"interactive": 1}
-    assert await q.peek_heads(block_ms=10) == {"interactive": 1}
+    heads = await q.peek_heads(block_ms=10)
+    assert {t: h.deadline_ms for t, h in heads.items()} == {"interactive": 1}
+    assert await q.peek_heads(block_ms=10) == heads
     info = await r.xinfo_groups(keys.stream("prefill", "interactive"))
     assert info[0]["pending"] == 0
+
+
+async def test_backlog_counts_queued_prompt_tokens_per_tier(r, key_prefix):
+    from skyline.streams import queued_tokens
+
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "prefill")
+    for rid, tier in (("a", "interactive"), ("b", "batch"), ("c", "batch")):
+        await enqueue(r, keys, "prefill", request(rid, tier, 1), 1000)  # 3 prompt tokens each
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 3, "batch": 6}
+    q = TierQueues(r, keys, "prefill", DEFAULT_TIERS, "w")
+    await q.claim(block_ms=10)
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 0, "batch": 6}
+    assert await queued_tokens(r, keys, "decode") == {}

@@ -142,3 +142,24 @@ async def test_cancel_broadcast_aborts_a_running_decode(fleet):
             await asyncio.sleep(0.01)
     assert decode_rt.engine.stats().running == 0
     await pubsub.aclose()
+
+
+async def test_a_handle_older_than_the_kv_lease_is_prefilled_locally(fleet):
+    # vLLM may reuse the blocks of an expired lease; pulling them could give wrong output.
+    cfg, client, _ = fleet
+    keys = Keys(cfg.key_prefix)
+    req = gen_request("r-stale", list(b"stale"), 8)
+    stale = m.DecodeWork(request=req, kv_handle={"engine_id": "gone"}, prefill_worker="p",
+                         prefill_started_ms=now_ms() - 70_000, prefill_finished_ms=now_ms() - 69_000)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens(req.request_id))
+    await pubsub.get_message(timeout=1)
+    await enqueue(client, keys, "decode", stale, 1000)
+    async with asyncio.timeout(10):
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            if msg and isinstance(final := m.decode(msg["data"]), m.Finished):
+                break
+    await pubsub.aclose()
+    assert final.completion_tokens == 8
+    assert final.kv_transfer["handle_expired"] is True and final.kv_transfer["remote_prefill"] is False

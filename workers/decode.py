@@ -34,12 +34,18 @@ class DecodeHandler:
         req = work.request
         channel = self.rt.keys.tokens(req.request_id)
         started = now_ms()
+        kv_handle, handle_expired = work.kv_handle, False
+        if kv_handle is not None and started - work.prefill_finished_ms > 800 * self.rt.cfg.engine.kv_lease_s:
+            # The prefill engine may already have reused these blocks: pulling them
+            # could silently produce wrong output. Prefill here instead.
+            log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, started - work.prefill_finished_ms)
+            kv_handle, handle_expired = None, True
         first_token_ms = 0
         seq = produced = 0
         finish_reason = "abort"
         kv_transfer: dict = {}
         try:
-            async for chunk in self.rt.engine.generate(engine_request(req), work.kv_handle):
+            async for chunk in self.rt.engine.generate(engine_request(req), kv_handle):
                 if chunk.token_ids or chunk.text:
                     first_token_ms = first_token_ms or now_ms()
                     frame = messages.TokenDelta(req.request_id, seq, produced, chunk.token_ids, chunk.text)
@@ -48,7 +54,9 @@ class DecodeHandler:
                     seq += 1
                     produced += len(chunk.token_ids)
                 if chunk.finish_reason:
-                    finish_reason, kv_transfer = chunk.finish_reason, chunk.kv_transfer
+                    finish_reason, kv_transfer = chunk.finish_reason, dict(chunk.kv_transfer)
+                    if handle_expired:
+                        kv_transfer["handle_expired"] = True
         except ClientGone:
             log.info("client of %s is gone; aborting", req.request_id)
             await self.rt.engine.abort(req.request_id)

@@ -34,6 +34,7 @@ class PrefillHandler:
             return
         started = now_ms()
         result = await self.rt.engine.prefill(engine_request(req))
+        self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(),

@@ -30,7 +30,9 @@ from skyline import messages
 from skyline.config import SkylineConfig
 from skyline.fleet import WorkerInfo, deregister, heartbeat
 from skyline.keys import Keys
-from skyline.streams import Claimed, TierQueues, ensure_groups
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victim
+from skyline.scheduler.throughput import ThroughputMeter
+from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, now_ms
 from skyline.workers.engines.base import Engine
 
 log = logging.getLogger("skyline.worker")
@@ -53,6 +55,11 @@ class WorkerRuntime:
         self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id)
         self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
         self.prompt_tokens_in_flight = 0
+        self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
+        self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
+        self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
+        self.preempting: set[str] = set()
+        self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0}
         self.stopping = asyncio.Event()
         self.info = WorkerInfo(
             worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
@@ -99,11 +106,48 @@ class WorkerRuntime:
     # -- claiming ------------------------------------------------------------
 
     def has_room(self) -> bool:
+        """Claim only what the engine can start soon; the rest stays in Redis,
+        in deadline order, where any worker that frees up can take it."""
         if len(self.in_flight) >= self.cfg.worker.max_running:
             return False
-        if self.role == "prefill" and self.prompt_tokens_in_flight >= self.cfg.worker.prefill_token_budget:
-            return False
-        return True
+        if self.role == "prefill":
+            return self.prompt_tokens_in_flight < self.cfg.worker.prefill_token_budget
+        return self.engine.stats().kv_usage < self.cfg.worker.kv_watermark
+
+    def tokens_per_s(self) -> float:
+        return self.meter.tokens_per_s(now_ms()) or self.cfg.worker.prior_prefill_tokens_per_s
+
+    async def _maybe_preempt(self) -> None:
+        """Fleet-level preemption (see scheduler/preemption.py): abort the least
+        urgent prompt this worker holds when the most urgent waiting one would
+        otherwise miss its deadline."""
+        heads = await self.queues.peek_heads(block_ms=0)
+        if not heads:
+            return
+        head = min(heads.values(), key=lambda h: (h.deadline_ms, self.tier_rank.get(h.tier, 99)))
+        running = []
+        for rid, (_task, claimed) in self.in_flight.items():
+            req = _request_of(claimed.message)
+            if rid not in self.preempting:
+                running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
+                                       len(req.prompt_token_ids), req.preemptions))
+        waiting = Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms, head.prompt_tokens)
+        victim = choose_victim(self.preemption, running, waiting, now_ms(), self.tokens_per_s())
+        if victim is None:
+            return
+        log.info("preempting %s for a %s request due in %d ms", victim, head.tier, head.deadline_ms - now_ms())
+        self.preempting.add(victim)
+        await self.engine.abort(victim)
+        self.in_flight[victim][0].cancel()
+
+    async def _requeue_preempted(self, claimed: Claimed) -> None:
+        """Put a preempted request back with its original arrival and deadline, then ack
+        the old entry: EDF brings it back in turn; only its prefill is recomputed."""
+        req = _request_of(claimed.message)
+        again = messages.GenerateRequest(**{**req.__dict__, "preemptions": req.preemptions + 1})
+        await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen)
+        await self.queues.ack(claimed)
+        self.counters["preempted"] += 1
 
     async def _claim_loop(self) -> None:
         room = asyncio.Event()
@@ -112,7 +156,14 @@ class WorkerRuntime:
         while not self.stopping.is_set():
             if not self.has_room():
                 room.clear()
-                await _wait_any(room, self.stopping, timeout=1.0)
+                if self.role == "prefill" and self.preemption.enabled:
+                    try:
+                        await self._maybe_preempt()
+                    except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                        log.warning("preemption check failed: %s", exc)
+                    await _wait_any(room, self.stopping, timeout=0.05)  # re-check heads at 20 Hz while full
+                else:
+                    await _wait_any(room, self.stopping, timeout=1.0)
                 continue
             try:
                 claimed = await self.queues.claim(block_ms=500)
@@ -145,12 +196,19 @@ class WorkerRuntime:
                     return
                 assert self.handle is not None
                 await self.handle(claimed)
+                self.counters["completed"] += 1
             except asyncio.CancelledError:
-                await self.queues.ack(claimed)  # cancelled by the client: nothing left to deliver
+                if rid in self.preempting:
+                    await self._requeue_preempted(claimed)
+                else:
+                    self.counters["cancelled"] += 1
+                    await self.queues.ack(claimed)  # cancelled by the client: nothing left to deliver
             except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
                 log.exception("request %s failed", rid)
+                self.counters["failed"] += 1
                 await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
             finally:
+                self.preempting.discard(rid)
                 self.in_flight.pop(rid, None)
                 self.prompt_tokens_in_flight -= tokens
                 room.set()
@@ -179,6 +237,8 @@ class WorkerRuntime:
     async def _beat(self) -> None:
         s = self.engine.stats()
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.in_flight), s.waiting, s.kv_usage
+        self.info.running_tokens = self.prompt_tokens_in_flight if self.role == "prefill" else 0
+        self.info.tokens_per_s = (self.meter.tokens_per_s(now_ms()) or 0.0) if self.role == "prefill" else 0.0
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_s)
 
     async def _heartbeat_loop(self) -> None:

@@ -36,7 +36,9 @@ class SimTiming:
     prefill_per_token_s: float = 0.0001
     decode_base_s: float = 0.01
     decode_per_seq_s: float = 0.001
-    max_batch_tokens: int = 4096  # prompt tokens per prefill step
+    # Prompt tokens per prefill step (chunked prefill): a long prompt takes
+    # several steps, so an abort frees the engine within one chunk.
+    max_batch_tokens: int = 512
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _Seq:
     remote_kv: bool
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     produced: int = 0
+    prefilled: int = 0  # prompt tokens computed so far
     text: bytes = b""
     start: int = 0
 
@@ -146,15 +149,24 @@ class SimEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
             if self._waiting:
-                batch, tokens = [], 0
-                while self._waiting and (not batch or tokens + len(self._waiting[0].req.prompt_token_ids) <= t.max_batch_tokens):
-                    seq = self._waiting.popleft()
-                    batch.append(seq)
-                    tokens += len(seq.req.prompt_token_ids)
+                # Like vLLM's priority policy: lower priority value first, then arrival.
+                order = sorted(self._waiting, key=lambda q: q.req.priority)
+                chunks, budget = [], t.max_batch_tokens
+                for seq in order:
+                    take = min(budget, len(seq.req.prompt_token_ids) - seq.prefilled)
+                    chunks.append((seq, take))
+                    budget -= take
+                    if budget <= 0:
+                        break
+                tokens = sum(n for _, n in chunks)
                 await asyncio.sleep(t.prefill_base_s + t.prefill_per_token_s * tokens)
-                for seq in batch:
+                for seq, take in chunks:
                     if seq.req.request_id not in self._by_id:
                         continue  # aborted during the step
+                    seq.prefilled += take
+                    if seq.prefilled < len(seq.req.prompt_token_ids):
+                        continue
+                    self._waiting.remove(seq)
                     if seq.prefill_only:
                         self._drop(seq.req.request_id)
                         seq.out.put_nowait((0, None))

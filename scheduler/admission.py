@@ -1,0 +1,85 @@
+"""Admission control: will this request meet its TTFT target given the work ahead of it?
+
+The gateway asks before enqueueing. The prediction is deliberately simple and
+explainable (operators must be able to reason about a 429):
+
+  predicted TTFT = (prefill tokens queued or running ahead of it + its own)
+                   / prefill throughput of the live pool
+                   + fixed first-token overhead (transfer, first decode step)
+
+"Ahead" means work the EDF order serves first: every queued token of tiers
+whose TTFT target is at most this request's (their deadlines come first) plus
+what the prefill workers already hold. Looser tiers' backlog is not ahead: EDF
+serves it after, and fleet-level preemption removes it from the engine when it
+would make this request late.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from skyline.scheduler.tiers import Tier
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    prior_prefill_tokens_per_s: float = 1_000.0  # used until workers report a measurement
+    first_token_overhead_ms: float = 150.0  # KV transfer + first decode step + fleet hops
+    sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; others always queue
+    max_queued_tokens: int = 2_000_000  # hard bound on the prefill backlog: beyond it -> 503
+
+
+@dataclass(frozen=True)
+class FleetLoad:
+    queued_tokens: Mapping[str, int]  # tier -> prompt tokens waiting in its prefill stream
+    running_tokens: int  # prompt tokens the prefill workers hold right now
+    prefill_tokens_per_s: float | None  # measured rate of the whole live pool; None = unknown
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "admit" | "demote" | "reject" | "overloaded"
+    tier: str  # tier the request goes to (demotion changes it)
+    predicted_ttft_ms: float
+    retry_after_s: int = 0
+    reason: str = ""
+
+
+def predict_ttft_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prompt_tokens: int, load: FleetLoad) -> float:
+    by_name = {t.name: t for t in tiers}
+    limit = by_name[tier].ttft_ms
+    ahead = load.running_tokens + sum(
+        n for name, n in load.queued_tokens.items() if name in by_name and by_name[name].ttft_ms <= limit
+    )
+    rate = load.prefill_tokens_per_s or policy.prior_prefill_tokens_per_s
+    return (ahead + prompt_tokens) * 1000.0 / rate + policy.first_token_overhead_ms
+
+
+def admit(
+    policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms: int, prompt_tokens: int,
+    load: FleetLoad, allow_demotion: bool = False,
+) -> Decision:
+    """Admit, demote to the next looser tier, or refuse.
+
+    `ttft_ms` is the request's own (possibly tightened) target. A refusal of
+    a sheddable tier is a 429 whose Retry-After is the time the backlog needs
+    to shrink enough; a backlog past `max_queued_tokens` is a 503 for any
+    tier, so overload never means an unbounded queue.
+    """
+    if sum(load.queued_tokens.values()) + prompt_tokens > policy.max_queued_tokens:
+        return Decision("overloaded", tier, math.inf, retry_after_s=5, reason="prefill backlog is full")
+    predicted = predict_ttft_ms(policy, tiers, tier, prompt_tokens, load)
+    if predicted <= ttft_ms or tier not in policy.sheddable_tiers:
+        return Decision("admit", tier, predicted)
+    if allow_demotion:
+        for looser in sorted((t for t in tiers if t.ttft_ms > ttft_ms), key=lambda t: t.ttft_ms):
+            p = predict_ttft_ms(policy, tiers, looser.name, prompt_tokens, load)
+            if p <= looser.ttft_ms or looser.name not in policy.sheddable_tiers:
+                return Decision("demote", looser.name, p, reason=f"demoted from {tier}: predicted TTFT {predicted:.0f} ms")
+    retry = max(1, math.ceil((predicted - ttft_ms) / 1000.0))
+    return Decision(
+        "reject", tier, predicted, retry_after_s=retry,
+        reason=f"predicted time to first token {predicted:.0f} ms exceeds the {tier} target of {ttft_ms} ms",
+    )

@@ -1,0 +1,88 @@
+import math
+
+from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, admit, predict_ttft_ms
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victim
+from skyline.scheduler.throughput import ThroughputMeter
+from skyline.scheduler.tiers import DEFAULT_TIERS
+
+POLICY = AdmissionPolicy(prior_prefill_tokens_per_s=1000, first_token_overhead_ms=100)
+
+
+def load(queued=None, running=0, rate=1000.0):
+    return FleetLoad(queued_tokens=queued or {}, running_tokens=running, prefill_tokens_per_s=rate)
+
+
+def test_prediction_counts_only_work_served_before_the_request():
+    q = {"interactive": 200, "standard": 300, "batch": 10_000}
+    # interactive: its own tier + running work; the batch backlog is served after it
+    assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "interactive", 100, load(q, running=400)) == (200 + 400 + 100) + 100
+    # standard: interactive and standard are ahead
+    assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "standard", 100, load(q)) == (200 + 300 + 100) + 100
+
+
+def test_unknown_throughput_uses_the_prior():
+    assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "batch", 900, load(rate=None)) == 900 + 100
+
+
+def test_admit_reject_boundary():
+    # 1000 ms target: 800 queued + 100 own tokens at 1000 tok/s + 100 ms overhead = exactly 1000 ms
+    assert admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 100, load({"interactive": 800})).action == "admit"
+    d = admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 101, load({"interactive": 800}))
+    assert d.action == "reject" and d.retry_after_s == 1 and "interactive" in d.reason
+
+
+def test_retry_after_reflects_how_far_over_the_target():
+    d = admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 100, load({"interactive": 5_000}))
+    assert d.action == "reject" and d.retry_after_s == math.ceil((5_200 - 1_000) / 1000)
+
+
+def test_demotion_when_the_client_allows_it():
+    d = admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 100, load({"interactive": 3_000}), allow_demotion=True)
+    assert d.action == "demote" and d.tier == "standard"
+
+
+def test_non_sheddable_tiers_queue_but_the_backlog_is_bounded():
+    huge = load({"batch": 500_000})
+    assert admit(POLICY, DEFAULT_TIERS, "batch", 60_000, 1000, huge).action == "admit"
+    small = AdmissionPolicy(max_queued_tokens=10_000)
+    d = admit(small, DEFAULT_TIERS, "batch", 60_000, 1000, load({"batch": 9_500}))
+    assert d.action == "overloaded" and d.retry_after_s > 0
+
+
+def test_no_preemption_when_the_head_can_wait():
+    running = [Running("b1", 2, 99_000, 500, 0)]
+    head = Waiting(0, deadline_ms=2_000, prompt_tokens=100)
+    assert choose_victim(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) is None
+
+
+def test_preempts_the_loosest_latest_running_request():
+    running = [Running("std", 1, 9_000, 1500, 0), Running("b-early", 2, 50_000, 1500, 0), Running("b-late", 2, 60_000, 10, 0)]
+    head = Waiting(0, deadline_ms=1_000, prompt_tokens=100)
+    assert choose_victim(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == "b-late"
+
+
+def test_preemption_never_hits_same_or_stricter_tiers_and_is_bounded():
+    head = Waiting(1, deadline_ms=1_000, prompt_tokens=100)
+    assert choose_victim(PreemptionPolicy(), [Running("i", 0, 500, 5000, 0)], head, 0, 1000) is None
+    assert choose_victim(PreemptionPolicy(), [Running("s", 1, 500, 5000, 0)], head, 0, 1000) is None
+    exhausted = [Running("b", 2, 90_000, 5000, 2)]
+    assert choose_victim(PreemptionPolicy(max_preemptions=2), exhausted, head, 0, 1000) is None
+    assert choose_victim(PreemptionPolicy(enabled=False), [Running("b", 2, 90_000, 5000, 0)], head, 0, 1000) is None
+
+
+def test_throughput_meter_uses_busy_time_not_per_request_time():
+    m = ThroughputMeter()
+    assert m.tokens_per_s(0) is None
+    # Two overlapping prefills of 1000 tokens over [0, 2000] ms: 1000 tokens/s, not 500.
+    m.record(0, 2000, 1000)
+    m.record(0, 2000, 1000)
+    assert m.tokens_per_s(2000) == 1000
+    # An idle gap does not count as busy time.
+    m.record(10_000, 11_000, 1000)
+    assert m.tokens_per_s(11_000) == 3000 / 3
+
+
+def test_throughput_meter_forgets_old_work():
+    m = ThroughputMeter(window_ms=1000)
+    m.record(0, 100, 100)
+    assert m.tokens_per_s(5000) is None

@@ -1,0 +1,329 @@
+"""`vllm`: a real in-process vLLM engine (AsyncLLM) with the NIXL KV connector.
+
+One VllmEngine per process. vLLM reads its settings from environment
+variables in the engine-core process, which AsyncLLM spawns when it is built;
+so `start()` sets them in this process's environment first and two engines in
+one process would share (and fight over) them.
+
+Disaggregation uses vLLM's NixlConnector in `kv_both` role, so every engine can
+be a prefill or a decode engine:
+  prefill: max_tokens=1 with kv_transfer_params {"do_remote_decode": True};
+           the finished output's kv_transfer_params is the handle (engine id,
+           block ids, side-channel host/port, ...);
+  decode:  the same prompt with kv_transfer_params = that handle; the decode
+           engine pulls the blocks over NIXL instead of computing them.
+
+Evidence that the KV came over NIXL (checked in vLLM 0.32 sources):
+  * `PrefillStats.num_external_cached_tokens` on the engine-core output is the
+    number of prompt tokens loaded through the KV connector for that request.
+    It is not copied into RequestOutput, so we tap OutputProcessor.process_outputs
+    to read it (`num_remote_tokens`). It is > 0 only when blocks were pulled.
+  * `RequestOutput.num_cached_tokens` = local prefix-cache hits + connector
+    tokens. Caveat: when the handle carries `remote_prefill_cached_tokens`
+    (the prefill engine's own prefix-cache hits, added by vLLM's scheduler),
+    vLLM reports THAT number instead (0 for a fresh prompt); we move that key
+    out of the handle so `num_cached_tokens` is the decode engine's own count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from skyline.messages import SamplingSpec
+from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
+
+log = logging.getLogger("skyline.engine.vllm")
+
+# How long (s) a prefill engine keeps a prompt's KV blocks for a decode engine
+# that has not pulled them yet. vLLM 0.32 replaced VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+# with a lease: kv_connector_extra_config["kv_lease_duration"] (default 30 s);
+# a decode engine that has admitted the request sends heartbeats that extend it,
+# but work waiting in a Skyline decode queue sends none. On expiry the prefill
+# engine frees the blocks ("Releasing expired KV blocks ..."). Seen here: a pull
+# after expiry still "succeeds" and reads whatever the freed blocks now hold
+# (correct only while nothing reused them), so callers should not hand a decode
+# engine a handle older than the lease; redo the prefill instead.
+DEFAULT_KV_LEASE_S = 60
+
+
+class KVTransferError(RuntimeError):
+    """The engine finished a request with an error (e.g. its KV could not be pulled)."""
+
+
+class VllmEngine(Engine):
+    kind = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        max_model_len: int | None = 2048,
+        kv_cache_gib: float = 1.0,
+        cpu_bind: str | None = None,
+        nixl_port: int | None = None,
+        nixl_host: str | None = None,
+        kv_transfer: bool = True,
+        scheduling_policy: str = "priority",
+        enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        kv_lease_s: int = DEFAULT_KV_LEASE_S,
+        kv_role: str = "kv_both",
+        enforce_eager: bool | None = None,
+    ):
+        self.model = model
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.cpu_bind = cpu_bind
+        self.nixl_port = nixl_port
+        self.nixl_host = nixl_host
+        self.kv_transfer = kv_transfer
+        self.scheduling_policy = scheduling_policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_lease_s = kv_lease_s
+        # vLLM 0.32 logs kv_both as deprecated (kv_producer / kv_consumer per
+        # role); kv_both lets one engine serve disagg decode AND colocated work.
+        self.kv_role = kv_role
+        # None = eager on CPU: measured here, torch.compile made start-up 69 s
+        # instead of 16 s (one engine, one core) for the same decode throughput
+        # (~82 vs ~80 tok/s, 8 x 64 tokens); on GPU compile + CUDA graphs pay off.
+        self.enforce_eager = enforce_eager
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
+        self._in_flight: set[str] = set()
+        self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
+        self._remote_tokens: dict[str, int] = {}  # external request id -> tokens loaded via connector
+        self.start_seconds = 0.0
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def _set_env(self) -> None:
+        """Env read by the engine-core process; must be set before it is spawned."""
+        if self.cpu_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_bind)
+        if self.nixl_port is not None:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
+        if self.nixl_host:
+            # Advertised in handles as remote_host: decode engines on other hosts connect to it.
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.nixl_host
+        # A KV cache size given in VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes below.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+    def _engine_args(self) -> Any:
+        import torch
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        kv_cfg = None
+        if self.kv_transfer:
+            kv_cfg = KVTransferConfig(
+                kv_connector="NixlConnector",
+                kv_role=self.kv_role,
+                # Staging buffer for NIXL; on CPU vLLM registers the KV cache itself.
+                kv_buffer_device="cuda" if torch.cuda.is_available() else "cpu",
+                kv_connector_extra_config={"kv_lease_duration": int(self.kv_lease_s)},
+            )
+        kwargs: dict[str, Any] = dict(
+            model=self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
+            scheduling_policy=self.scheduling_policy,
+            kv_transfer_config=kv_cfg,
+            disable_log_stats=False,  # scheduler stats feed stats()
+            enforce_eager=(not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager,
+        )
+        if self.enable_chunked_prefill is not None:
+            kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        # Blocks the event loop for the whole start-up (~40 s on CPU): AsyncLLM
+        # must be built on the loop thread (it starts its output task there).
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._set_env()
+        t0 = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
+        self._tap_prefill_stats()
+        self.start_seconds = time.monotonic() - t0
+        log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s)",
+                 self.start_seconds, self.model, self.cpu_bind, self.nixl_port)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    # ---- requests --------------------------------------------------------
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # The one sampled token is thrown away (the decode engine samples the
+        # first token itself), so prefill samples greedily and skips detokenizing.
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={"kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            }},
+        )
+        final = None
+        async for out in self._run(req, params):
+            final = out
+        if final is None or not final.outputs or final.outputs[0].finish_reason == "abort":
+            raise asyncio.CancelledError(f"request {req.request_id} aborted")
+        if final.outputs[0].finish_reason == "error":
+            raise KVTransferError(f"prefill of {req.request_id} failed in the engine")
+        if not final.kv_transfer_params:
+            raise KVTransferError(f"prefill of {req.request_id} returned no KV handle (is kv_transfer on?)")
+        return PrefillResult(kv_handle=_plain(final.kv_transfer_params), prompt_tokens=len(req.prompt_token_ids))
+
+    async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
+        params = sampling_params(req.sampling)
+        evidence: dict[str, Any] = {"remote_prefill": kv_handle is not None}
+        if kv_handle is not None:
+            handle = dict(kv_handle)
+            # See the module docstring: this key would replace num_cached_tokens.
+            evidence["prefill_cached_tokens"] = handle.pop("remote_prefill_cached_tokens", None)
+            evidence["source_engine"] = handle.get("remote_engine_id")
+            params.extra_args = {"kv_transfer_params": handle}
+        async for out in self._run(req, params):
+            comp = out.outputs[0]
+            chunk = GenerationChunk(token_ids=list(comp.token_ids), text=comp.text)
+            if out.finished:
+                if comp.finish_reason == "error":
+                    raise KVTransferError(f"request {req.request_id} failed in the engine (KV pull or model error)")
+                chunk.finish_reason = comp.finish_reason or "stop"
+                evidence["num_cached_tokens"] = out.num_cached_tokens or 0
+                evidence["num_remote_tokens"] = self._remote_tokens.get(req.request_id, 0)
+                chunk.kv_transfer = evidence
+            if chunk.token_ids or chunk.text or chunk.finish_reason:
+                yield chunk
+
+    async def _run(self, req: EngineRequest, params: Any) -> AsyncIterator[Any]:
+        """Submit one request under the caller's id and yield vLLM's outputs."""
+        from vllm.inputs import TokensPrompt
+
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        self._in_flight.add(req.request_id)
+        try:
+            # vLLM appends a random suffix to make its internal request id; the
+            # id given here stays the external id, which abort() accepts.
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params, req.request_id,
+                # vLLM rejects a non-zero priority under the fcfs policy.
+                priority=req.priority if self.scheduling_policy == "priority" else 0,
+            ):
+                yield out
+        finally:
+            self._in_flight.discard(req.request_id)
+            self._remote_tokens.pop(req.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        # abort() with the external id aborts every internal request behind it;
+        # unknown ids are ignored by vLLM. The generator gets a final "abort" output.
+        if self._llm is not None and request_id in self._in_flight:
+            await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._sched
+        if s is None or not self._in_flight:
+            # vLLM only reports stats after engine steps; with nothing in
+            # flight the last report may be stale, so trust our own count.
+            return EngineStats(running=0, waiting=0, kv_usage=float(getattr(s, "kv_cache_usage", 0.0) or 0.0))
+        running = min(int(s.num_running_reqs), len(self._in_flight))
+        waiting = min(int(s.num_waiting_reqs + getattr(s, "num_skipped_waiting_reqs", 0)),
+                      len(self._in_flight) - running)
+        return EngineStats(running=running, waiting=waiting, kv_usage=float(s.kv_cache_usage))
+
+    # ---- vLLM hooks ------------------------------------------------------
+
+    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _Tap(StatLoggerBase):
+            """Keeps the latest SchedulerStats (running, waiting, KV usage) for stats()."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    engine._sched = scheduler_stats
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Tap(vllm_config, engine_index)
+
+    def _tap_prefill_stats(self) -> None:
+        """Record per request how many prompt tokens came through the KV connector.
+
+        PrefillStats is an internal vLLM structure; if it moves, evidence falls
+        back to num_cached_tokens (num_remote_tokens then stays 0).
+        """
+        proc = getattr(self._llm, "output_processor", None)
+        original = getattr(proc, "process_outputs", None)
+        if original is None:
+            log.warning("vLLM output processor not found; num_remote_tokens unavailable")
+            return
+        remote = self._remote_tokens
+
+        def process_outputs(engine_core_outputs, *args, **kwargs):
+            for eco in engine_core_outputs:
+                ps = getattr(eco, "prefill_stats", None)
+                n = getattr(ps, "num_external_cached_tokens", 0) if ps is not None else 0
+                if n:
+                    state = proc.request_states.get(eco.request_id)
+                    if state is not None:
+                        remote[getattr(state, "external_req_id", eco.request_id)] = n
+            return original(engine_core_outputs, *args, **kwargs)
+
+        proc.process_outputs = process_outputs
+
+
+def sampling_params(spec: SamplingSpec) -> Any:
+    """Skyline's SamplingSpec as vLLM SamplingParams, streaming deltas."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    greedy = spec.temperature <= 0.0
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=0.0 if greedy else spec.temperature,  # 0 = greedy in vLLM
+        top_p=1.0 if greedy else spec.top_p,
+        top_k=spec.top_k if spec.top_k > 0 else 0,  # 0 = all tokens
+        seed=spec.seed,
+        stop=list(spec.stop) or None,
+        stop_token_ids=list(spec.stop_token_ids) or None,
+        ignore_eos=spec.ignore_eos,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        output_kind=RequestOutputKind.DELTA,  # each output carries only new tokens and text
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A copy made of dict/list/str/int/float/bool/None only (msgpack-safe)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    return str(value)
