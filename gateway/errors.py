@@ -45,7 +45,7 @@ class ApiError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
-        type: str | None = None,  # noqa: A002 - the OpenAI field name
+        type: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -63,7 +63,7 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -103,7 +103,6 @@ def _is_type_label(part: str) -> bool:
     return (
         part in ("str", "int", "float", "bool", "list[str]", "list[int]", "dict", "none")
         or part.startswith(("function-", "list[", "union[", "tagged-union[", "lax-", "strict-"))
-        or part.endswith("Part")
     )
 
 

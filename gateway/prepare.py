@@ -158,9 +158,17 @@ async def _tokenize(tok: Tokenizer, body: CompletionRequest | ChatCompletionRequ
         fn, arg = tok.apply_chat_template, body.chat_messages()
     else:
         fn, arg = tok.encode, body.prompt
-    if body.prompt_chars() > TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(fn, arg)
-    return fn(arg)
+    try:
+        if body.prompt_chars() > TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(fn, arg)
+        return fn(arg)
+    except Exception as exc:
+        if isinstance(body, ChatCompletionRequest):
+            # Chat templates raise on conversations they do not accept (e.g. roles that do not
+            # alternate): that is the client's request, not a gateway fault.
+            raise ApiError(400, f"the model's chat template rejected the messages: {exc}",
+                           param="messages", code="invalid_messages") from None
+        raise
 
 
 def _slo(cfg: SkylineConfig, body: _Common, request: Request, arrival_ms: int) -> Slo:

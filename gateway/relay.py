@@ -50,7 +50,7 @@ class Subscription:
     caller should cancel the request.
     """
 
-    __slots__ = ("request_id", "channel", "queue", "last_seq", "done", "aborted", "duplicates")
+    __slots__ = ("aborted", "channel", "done", "duplicates", "last_seq", "queue", "request_id")
 
     def __init__(self, request_id: str, channel: bytes, maxsize: int):
         self.request_id = request_id

@@ -151,7 +151,8 @@ class CompletionRequest(_Common):
             if len(v) == 1 and isinstance(v[0], str):
                 return v[0]  # a batch of one prompt
             if v and all(isinstance(t, str) for t in v):
-                raise ValueError(f"batched prompts are not supported by Skyline: send one prompt per request (got {len(v)})")
+                raise ValueError("batched prompts are not supported by Skyline: "
+                                 f"send one prompt per request (got {len(v)})")
             if v and all(type(t) is int for t in v):
                 if min(v) < 0:
                     raise ValueError("token ids must be non-negative integers")
@@ -176,6 +177,10 @@ class CompletionRequest(_Common):
 
     def prompt_chars(self) -> int:
         return len(self.prompt) if isinstance(self.prompt, str) else 0
+
+
+# Validators raise ValueError even for wrong types: pydantic turns ValueError (not
+# TypeError) into a ValidationError, which the gateway reports as a 400 naming the field.
 
 
 class ChatMessage(BaseModel):

@@ -72,7 +72,7 @@ def fleet(redis_url, key_prefix):
 
 
 def test_completion_non_stream(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     t0 = time.time() * 1000
     fut = pool.submit(client.completions.with_raw_response.create, model=MODEL, prompt="Hello there",
                       max_tokens=5, temperature=0, seed=7, stop="\n")
@@ -101,7 +101,7 @@ def test_completion_non_stream(fleet):
 
 
 def test_chat_stream_colocated_with_usage(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     msgs = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
 
@@ -164,7 +164,7 @@ def test_raw_sse_shape_and_done(fleet):
 
 
 def test_duplicate_frames_are_not_repeated(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     fut = pool.submit(client.completions.create, model=MODEL, prompt="dup", max_tokens=4)
     _f, msg = worker.take("prefill")
     a, b, fin = worker.script(msg.request_id, ["A", "B"])
@@ -173,7 +173,7 @@ def test_duplicate_frames_are_not_repeated(fleet):
 
 
 def test_failed_frame_becomes_http_error(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     fut = pool.submit(client.completions.create, model=MODEL, prompt="boom", max_tokens=4)
     _f, msg = worker.take("prefill")
     worker.send(messages.Failed(msg.request_id, 1 << 30, 500, "engine exploded", "server_error", "engine_error"))
@@ -189,7 +189,7 @@ def test_failed_frame_becomes_http_error(fleet):
 
 
 def test_failure_mid_stream_is_an_sse_error(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     got: list[str] = []
 
     def run():
@@ -278,7 +278,7 @@ def test_timeouts(redis_url, key_prefix, cancels):
 
 
 def test_slo_from_body_and_headers(fleet):
-    gw, client, worker, pool = fleet
+    _gw, client, worker, pool = fleet
     # A TTFT tighter than the default tier's moves the request to the interactive stream.
     fut = pool.submit(client.completions.create, model=MODEL, prompt="q", extra_body={"slo": {"ttft_ms": 800}})
     _f, msg = worker.take("prefill", "interactive")
