@@ -11,6 +11,7 @@ Abandoned requests (client gone, timeout) are cancelled in the fleet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from starlette.requests import Request
 
 from skyline import messages
 from skyline.config import SkylineConfig
+from skyline.gateway.admission import apply_admission, policy_of, stage_of
 from skyline.gateway.errors import ApiError, install_handlers
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
@@ -35,7 +37,7 @@ from skyline.gateway.responses import DONE, Shaper, error_event
 from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from skyline.gateway.session import Disconnected, Session
 from skyline.keys import Keys
-from skyline.streams import enqueue, ensure_groups, now_ms
+from skyline.streams import enqueue, ensure_groups, now_ms, release_backlog
 from skyline.tokenizer import Tokenizer
 
 log = logging.getLogger("skyline.gateway")
@@ -59,6 +61,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
     serving = Serving(cfg, tokenizer, served_model, max_model_len)
     keys = Keys(cfg.key_prefix)
     metrics = GatewayMetrics()
+    admission_policy = policy_of(cfg)
     state = _State()
     started = int(time.time())
 
@@ -99,6 +102,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             body = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
             prep = await prepare(serving, kind, body, request, arrival_ms, t_arrival)
             session = await _submit(prep)
+            prep = session.prep  # admission control may have demoted it
         except ApiError as exc:
             metrics.count(prep.slo.tier if prep else "", prep.route if prep else "", exc.status)
             raise
@@ -124,6 +128,23 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
                                 f"start one with {hint}", code="no_workers",
                            headers={"Retry-After": "1"})
+        if cfg.gateway.admission:
+            try:
+                prep = await apply_admission(cfg, admission_policy, r, keys, fleet, prep, metrics)
+            except (RedisError, OSError) as exc:
+                raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
+        try:
+            return await _subscribe_and_enqueue(prep)
+        except ApiError:
+            if cfg.gateway.admission:  # the reservation made by admission control is void
+                with contextlib.suppress(RedisError, OSError):
+                    await release_backlog(r, keys, stage_of(prep.route), prep.request.tier,
+                                          len(prep.request.prompt_token_ids))
+            raise
+
+    async def _subscribe_and_enqueue(prep: Prepared) -> Session:
+        relay, r = state.relay, state.redis
+        assert relay is not None and r is not None
         try:
             sub = await relay.subscribe(prep.request.request_id)
         except RelayUnavailable as exc:
@@ -134,7 +155,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
         else:
             stage, msg = "decode", messages.DecodeWork(request=prep.request, kv_handle=None)
         try:
-            await enqueue(r, keys, stage, msg, cfg.redis.stream_maxlen)
+            await enqueue(r, keys, stage, msg, cfg.redis.stream_maxlen, backlog_reserved=cfg.gateway.admission)
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel
             session.close(503)

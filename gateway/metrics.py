@@ -35,6 +35,14 @@ class GatewayMetrics:
         self.slo_met = Counter(
             "skyline_gateway_slo_met", "Finished requests that met both their TTFT and TPOT targets",
             ("tier",), registry=self.registry)
+        self.admission = Counter(
+            "skyline_gateway_admission", "Admission decisions (admit, demote, reject, overloaded) by requested tier",
+            ("tier", "decision"), registry=self.registry)
+        self.prediction_error = Histogram(
+            "skyline_gateway_ttft_prediction_error_seconds",
+            "Measured TTFT minus admission control's predicted TTFT (positive = slower than predicted)",
+            ("tier",), buckets=(-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+            registry=self.registry)
         self.in_flight = Gauge(
             "skyline_gateway_in_flight", "Requests waiting for or streaming output", registry=self.registry)
 

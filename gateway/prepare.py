@@ -60,6 +60,9 @@ class Prepared:
     include_usage: bool
     created: int  # Unix seconds, the OpenAI `created` field
     t_arrival: float  # perf_counter() at arrival: the origin of the gateway's TTFT/e2e
+    allow_demotion: bool = False  # the client accepts a looser tier instead of a 429
+    admission: str = "admit"  # admission control's decision ("admit" or "demote")
+    predicted_ttft_ms: float | None = None  # admission control's prediction, reported back
 
 
 def check_auth(request: Request, api_keys: tuple[str, ...]) -> None:
@@ -148,7 +151,10 @@ async def prepare(serving: Serving, kind: str, body: CompletionRequest | ChatCom
         priority=slo.priority,
         route=path,
     )
-    return Prepared(kind, gen, slo, path, bool(body.stream), body.include_usage(), int(time.time()), t_arrival)
+    demotion = request.headers.get("x-slo-allow-demotion", "").lower() in ("1", "true", "yes") or bool(
+        body.slo and body.slo.allow_demotion)
+    return Prepared(kind, gen, slo, path, bool(body.stream), body.include_usage(), int(time.time()), t_arrival,
+                    allow_demotion=demotion)
 
 
 async def _tokenize(tok: Tokenizer, body: CompletionRequest | ChatCompletionRequest) -> list[int]:

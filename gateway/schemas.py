@@ -31,6 +31,7 @@ class SloSpec(BaseModel):
     tier: str | None = None
     ttft_ms: int | None = Field(default=None, gt=0)
     tpot_ms: int | None = Field(default=None, gt=0)
+    allow_demotion: bool = False  # header x-slo-allow-demotion: true
 
 
 class StreamOptions(BaseModel):

@@ -141,6 +141,8 @@ class Session:
             "tpot_ms": None if tpot is None else round(tpot * 1000, 3),
             "slo_target": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
             "slo_met": met,
+            "admission": self.prep.admission,
+            "predicted_ttft_ms": None if self.prep.predicted_ttft_ms is None else round(self.prep.predicted_ttft_ms, 1),
             "prefill_worker": fin.prefill_worker,
             "decode_worker": fin.decode_worker,
             "kv_transfer": fin.kv_transfer,
@@ -189,3 +191,5 @@ class Session:
             ttft, tpot, met = self.latency(fin)
             end = self.t_end if self.t_end is not None else time.perf_counter()
             m.finished(self.prep.slo.tier, ttft, tpot, end - self.prep.t_arrival, met)
+            if ttft is not None and self.prep.predicted_ttft_ms is not None:
+                m.prediction_error.labels(self.prep.slo.tier).observe(ttft - self.prep.predicted_ttft_ms / 1000)

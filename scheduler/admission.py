@@ -3,15 +3,15 @@
 The gateway asks before enqueueing. The prediction is deliberately simple and
 explainable (operators must be able to reason about a 429):
 
-  predicted TTFT = (prefill tokens queued or running ahead of it + its own)
+  predicted TTFT = (prefill tokens admitted ahead of it, queued or in progress + its own)
                    / prefill throughput of the live pool
                    + fixed first-token overhead (transfer, first decode step)
 
-"Ahead" means work the EDF order serves first: every queued token of tiers
-whose TTFT target is at most this request's (their deadlines come first) plus
-what the prefill workers already hold. Looser tiers' backlog is not ahead: EDF
-serves it after, and fleet-level preemption removes it from the engine when it
-would make this request late.
+"Ahead" means work the EDF order serves first: every unfinished prefill token
+of tiers whose TTFT target is at most this request's (their deadlines come
+first). Looser tiers' backlog is not ahead: EDF serves it after, and
+fleet-level preemption removes it from the engine when it would make this
+request late.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ class AdmissionPolicy:
 
 @dataclass(frozen=True)
 class FleetLoad:
-    queued_tokens: Mapping[str, int]  # tier -> prompt tokens waiting in its prefill stream
-    running_tokens: int  # prompt tokens the prefill workers hold right now
+    queued_tokens: Mapping[str, int]  # tier -> prompt tokens admitted and not yet prefilled
     prefill_tokens_per_s: float | None  # measured rate of the whole live pool; None = unknown
 
 
@@ -50,7 +49,7 @@ class Decision:
 def predict_ttft_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prompt_tokens: int, load: FleetLoad) -> float:
     by_name = {t.name: t for t in tiers}
     limit = by_name[tier].ttft_ms
-    ahead = load.running_tokens + sum(
+    ahead = sum(
         n for name, n in load.queued_tokens.items() if name in by_name and by_name[name].ttft_ms <= limit
     )
     rate = load.prefill_tokens_per_s or policy.prior_prefill_tokens_per_s

@@ -72,6 +72,11 @@ class GatewayConfig:
     request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
     first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
     worker_liveness_s: float = 3.0  # a worker whose heartbeat is older is treated as gone
+    # Admission control (scheduler/admission.py): refuse what cannot meet its TTFT target.
+    admission: bool = True
+    first_token_overhead_ms: float = 150.0  # KV transfer + first decode step, added to the queueing estimate
+    sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; other tiers always queue
+    max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,6 @@ def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown option(s) in [{section}]: {', '.join(sorted(unknown))}")
-    if "api_keys" in values:
-        values = {**values, "api_keys": tuple(values["api_keys"])}
+    # TOML arrays arrive as lists; frozen configs hold tuples.
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return replace(base, **values)

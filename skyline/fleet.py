@@ -23,7 +23,7 @@ class WorkerInfo:
     kv_usage: float
     started: float
     last_seen: float  # Unix seconds of the last heartbeat
-    running_tokens: int = 0  # prompt tokens held (prefill) — admission counts them as ahead
+    running_tokens: int = 0  # prompt tokens this prefill worker holds (shown by `skyline status`)
     tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
 
 

@@ -72,11 +72,12 @@ class Keys:
 
     @property
     def backlog(self) -> str:
-        """HASH `skyline:backlog` — `<stage>:<tier>` -> prompt tokens queued and not yet claimed.
+        """HASH `skyline:backlog` — `<stage>:<tier>` -> prompt tokens admitted and not yet prefilled.
 
-        HINCRBY'd by whoever enqueues, decremented by the worker that claims;
-        read by the gateway's admission control. An estimate (a crash between
-        claim and decrement skews it), clamped at 0 by readers.
+        HINCRBY'd by whoever enqueues work that needs a prefill, decremented by
+        the worker when it acks the entry (queued + in progress, so a burst
+        sees the work already handed to engines); read by admission control.
+        An estimate (a crash between XACK and HINCRBY skews it), clamped at 0.
         """
         return f"{self.prefix}:backlog"
 

@@ -35,6 +35,7 @@ class Claimed:
     entry_id: str
     tier: str
     message: messages.Message
+    prefill_tokens: int = 0  # what this entry added to the backlog; removed again at ack
 
 
 def now_ms() -> int:
@@ -56,29 +57,60 @@ async def ensure_groups(r: aioredis.Redis, keys: Keys, tiers: tuple[str, ...], s
 
 
 async def enqueue(
-    r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int
+    r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
+    backlog_reserved: bool = False,
 ) -> str:
     """XADD a request to its tier stream. Besides the msgpack body, a few plain
-    fields make `XRANGE` readable for an operator."""
+    fields make `XRANGE` readable for an operator. `backlog_reserved`: admission
+    control already added the prompt to the backlog (see `reserve_backlog`)."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
+    # Work that still needs its prompt computed (not decode work carrying a KV handle).
+    needs_prefill = not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
+    prefill_tokens = len(req.prompt_token_ids) if needs_prefill else 0
     fields = {
         "id": req.request_id,
         "tier": req.tier,
         "deadline_ms": req.deadline_ms,
         "prompt_tokens": len(req.prompt_token_ids),
+        "prefill_tokens": prefill_tokens,
         "max_tokens": req.sampling.max_tokens,
         "msg": messages.encode(msg),
     }
     pipe = r.pipeline(transaction=False)
     pipe.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
-    pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), len(req.prompt_token_ids))
-    entry_id, _ = await pipe.execute()
+    if prefill_tokens and not backlog_reserved:
+        pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
+    entry_id = (await pipe.execute())[0]
     return _s(entry_id)
 
 
 async def queued_tokens(r: aioredis.Redis, keys: Keys, stage: str) -> dict[str, int]:
-    """tier -> prompt tokens waiting (not yet claimed) in the stage's streams."""
-    raw = await r.hgetall(keys.backlog)
+    """tier -> prompt tokens admitted to the stage and not yet prefilled (queued or in progress)."""
+    return _backlog_of(await r.hgetall(keys.backlog), stage)
+
+
+async def reserve_backlog(r: aioredis.Redis, keys: Keys, stage: str, tier: str, tokens: int) -> dict[str, int]:
+    """Add a request's prompt to the backlog and read the backlog, atomically.
+
+    Admission decides on the result: concurrent requests each see the others'
+    reservations, so a burst cannot all pass a check made before any of them
+    was counted. The caller releases the reservation if it refuses the request.
+    Returns the backlog *without* this request's own tokens.
+    """
+    pipe = r.pipeline(transaction=True)
+    pipe.hincrby(keys.backlog, Keys.backlog_field(stage, tier), tokens)
+    pipe.hgetall(keys.backlog)
+    _, raw = await pipe.execute()
+    backlog = _backlog_of(raw, stage)
+    backlog[tier] = max(0, backlog.get(tier, 0) - tokens)
+    return backlog
+
+
+async def release_backlog(r: aioredis.Redis, keys: Keys, stage: str, tier: str, tokens: int) -> None:
+    await r.hincrby(keys.backlog, Keys.backlog_field(stage, tier), -tokens)
+
+
+def _backlog_of(raw: dict, stage: str) -> dict[str, int]:
     prefix = f"{stage}:"
     return {_s(k)[len(prefix):]: max(0, int(v)) for k, v in raw.items() if _s(k).startswith(prefix)}
 
@@ -138,12 +170,18 @@ class TierQueues:
         resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
         for _key, entries in resp or []:
             for entry_id, fields in entries:
-                await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, tier), -int(fields[b"prompt_tokens"]))
-                return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]))
+                prefill_tokens = int(fields.get(b"prefill_tokens", 0))
+                return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]), prefill_tokens)
         return None  # another worker took it between peek and claim
 
     async def ack(self, claimed: Claimed) -> None:
-        await self.r.xack(claimed.stream, self.group, claimed.entry_id)
+        """Done with an entry (handed on, finished, failed or dropped): XACK it and
+        take its prefill work off the backlog."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xack(claimed.stream, self.group, claimed.entry_id)
+        if claimed.prefill_tokens:
+            pipe.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -claimed.prefill_tokens)
+        await pipe.execute()
 
 
 def _s(value: bytes | str) -> str:

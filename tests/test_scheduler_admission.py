@@ -8,14 +8,14 @@ from skyline.scheduler.tiers import DEFAULT_TIERS
 POLICY = AdmissionPolicy(prior_prefill_tokens_per_s=1000, first_token_overhead_ms=100)
 
 
-def load(queued=None, running=0, rate=1000.0):
-    return FleetLoad(queued_tokens=queued or {}, running_tokens=running, prefill_tokens_per_s=rate)
+def load(queued=None, rate=1000.0):
+    return FleetLoad(queued_tokens=queued or {}, prefill_tokens_per_s=rate)
 
 
 def test_prediction_counts_only_work_served_before_the_request():
     q = {"interactive": 200, "standard": 300, "batch": 10_000}
-    # interactive: its own tier + running work; the batch backlog is served after it
-    assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "interactive", 100, load(q, running=400)) == (200 + 400 + 100) + 100
+    # interactive: only its own tier; the batch backlog is served after it
+    assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "interactive", 100, load(q)) == (200 + 100) + 100
     # standard: interactive and standard are ahead
     assert predict_ttft_ms(POLICY, DEFAULT_TIERS, "standard", 100, load(q)) == (200 + 300 + 100) + 100
 

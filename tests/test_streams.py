@@ -105,6 +105,13 @@ async def test_backlog_counts_queued_prompt_tokens_per_tier(r, key_prefix):
         await enqueue(r, keys, "prefill", request(rid, tier, 1), 1000)  # 3 prompt tokens each
     assert await queued_tokens(r, keys, "prefill") == {"interactive": 3, "batch": 6}
     q = TierQueues(r, keys, "prefill", DEFAULT_TIERS, "w")
-    await q.claim(block_ms=10)
+    claimed = await q.claim(block_ms=10)
+    # Claimed work is still ahead of new requests until it is done.
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 3, "batch": 6}
+    await q.ack(claimed)
     assert await queued_tokens(r, keys, "prefill") == {"interactive": 0, "batch": 6}
+    # Decode work carrying a KV handle needs no prefill: not part of the backlog.
+    await enqueue(r, keys, "decode", m.DecodeWork(request("d", "batch", 1), kv_handle={"h": 1}), 1000)
     assert await queued_tokens(r, keys, "decode") == {}
+    await enqueue(r, keys, "decode", m.DecodeWork(request("e", "batch", 1), kv_handle=None), 1000)
+    assert await queued_tokens(r, keys, "decode") == {"batch": 3}

@@ -229,8 +229,8 @@ class WorkerRuntime:
              "msg": messages.encode(claimed.message)},
             maxlen=10_000, approximate=True,
         )
-        pipe.xack(claimed.stream, self.queues.group, claimed.entry_id)
         await pipe.execute()
+        await self.queues.ack(claimed)
 
     # -- side loops --------------------------------------------------------------
 

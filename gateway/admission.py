@@ -1,0 +1,73 @@
+"""The gateway's side of admission control: gather the fleet's load, ask the policy, act.
+
+The decision itself is `skyline.scheduler.admission.admit` (pure). Here: the
+backlog comes from the `skyline:backlog` hash, read in the same transaction
+that reserves this request's tokens (so a burst sees itself), and the
+measured prefill throughput from the heartbeats the FleetView caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+
+from skyline.config import SkylineConfig
+from skyline.gateway.errors import ApiError
+from skyline.gateway.fleetview import FleetView
+from skyline.gateway.metrics import GatewayMetrics
+from skyline.gateway.prepare import Prepared
+from skyline.keys import Keys
+from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, admit
+from skyline.streams import release_backlog, reserve_backlog
+
+
+def policy_of(cfg: SkylineConfig) -> AdmissionPolicy:
+    g = cfg.gateway
+    return AdmissionPolicy(cfg.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
+                           g.max_queued_tokens)
+
+
+def stage_of(route: str) -> str:
+    """Where the request's prefill happens: colocated requests are prefilled by decode workers."""
+    return "prefill" if route == "disagg" else "decode"
+
+
+def pool_rate(fleet: FleetView, stage: str) -> float | None:
+    """Measured prefill tokens/s of the stage's live pool; decode workers measure
+    none, so colocated routes fall back to the policy's prior."""
+    pool = [w for w in fleet.workers if w.role == stage]
+    rates = [w.tokens_per_s for w in pool if w.tokens_per_s > 0]
+    return sum(rates) * len(pool) / len(rates) if rates else None  # unmeasured workers count at the mean
+
+
+async def apply_admission(
+    cfg: SkylineConfig, policy: AdmissionPolicy, r: aioredis.Redis, keys: Keys, fleet: FleetView,
+    prep: Prepared, metrics: GatewayMetrics,
+) -> Prepared:
+    """The request as it may be enqueued (possibly demoted), with its prompt reserved
+    in the backlog; or an ApiError (429/503) with nothing reserved."""
+    req = prep.request
+    stage, tokens = stage_of(prep.route), len(req.prompt_token_ids)
+    backlog = await reserve_backlog(r, keys, stage, req.tier, tokens)
+    load = FleetLoad(backlog, pool_rate(fleet, stage))
+    d = admit(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, load, prep.allow_demotion)
+    metrics.admission.labels(req.tier, d.action).inc()
+    if d.action in ("reject", "overloaded"):
+        await release_backlog(r, keys, stage, req.tier, tokens)
+    if d.action == "reject":
+        raise ApiError(429, f"{d.reason}; retry later or send x-slo-allow-demotion: true to accept a looser tier",
+                       type="rate_limit_error", code="slo_unattainable", headers={"Retry-After": str(d.retry_after_s)})
+    if d.action == "overloaded":
+        raise ApiError(503, f"Skyline is overloaded: {d.reason}", code="overloaded",
+                       headers={"Retry-After": str(d.retry_after_s)})
+    if d.action == "demote":
+        await release_backlog(r, keys, stage, req.tier, tokens)
+        await reserve_backlog(r, keys, stage, d.tier, tokens)
+        tier = cfg.tier(d.tier)
+        # Demotion relaxes the TTFT target only; the TPOT target stays what was asked.
+        slo = replace(prep.slo, tier=tier.name, ttft_ms=tier.ttft_ms, priority=tier.priority)
+        req = replace(req, tier=tier.name, ttft_ms=slo.ttft_ms, priority=tier.priority,
+                      deadline_ms=req.arrival_ms + slo.ttft_ms)
+        return replace(prep, request=req, slo=slo, admission="demote", predicted_ttft_ms=d.predicted_ttft_ms)
+    return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms)
