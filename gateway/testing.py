@@ -60,7 +60,7 @@ class GatewayThread:
         self.stop()
 
 
-def announce_workers(redis_url: str, keys: Keys, *roles: str, model: str = "sim", period_s: float = 60) -> None:
+def announce_workers(redis_url: str, keys: Keys, *roles: str, model: str = "sim", ttl_s: float = 180) -> None:
     """Heartbeat one worker per role exactly as a real worker does, for tests that play the
     workers by hand (the gateway refuses requests whose roles have no live worker)."""
 
@@ -70,7 +70,7 @@ def announce_workers(redis_url: str, keys: Keys, *roles: str, model: str = "sim"
             for i, role in enumerate(roles):
                 now = time.time()
                 info = WorkerInfo(f"{role}-hand-{i}", role, "sim", model, "127.0.0.1", 0, 0, 0, 0.0, now, now)
-                await heartbeat(r, keys, info, period_s=period_s)
+                await heartbeat(r, keys, info, ttl_s=ttl_s)
         finally:
             await r.aclose()
 

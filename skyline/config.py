@@ -37,6 +37,10 @@ class EngineConfig:
     # worker re-prefills locally when a handle is older than 80% of this, because
     # vLLM may hand out the blocks of an expired lease to other requests.
     kv_lease_s: float = 60.0
+    # CPU niceness of the engine processes (0 = unchanged). An idle vLLM CPU
+    # engine with NIXL busy-polls a core; a higher nice keeps Redis and the
+    # control plane responsive next to it.
+    engine_nice: int = 10
     # sim engine timing model (seconds): prefill = base + per_token * prompt tokens,
     # decode step = base + per_seq * running sequences.
     sim_prefill_base_s: float = 0.005
@@ -57,7 +61,10 @@ class WorkerConfig:
     preemption: bool = True  # prefill: abort a looser-tier prompt when a stricter one would be late
     max_preemptions: int = 2  # per request: bounds starvation of the batch tier
     prior_prefill_tokens_per_s: float = 1000.0  # throughput assumed until one is measured
-    heartbeat_s: float = 1.0  # heartbeat period; the worker hash expires after 3 periods
+    heartbeat_s: float = 1.0  # heartbeat period
+    # A worker's registry entry expires this long after its last heartbeat. Generous
+    # on purpose: a worker on a saturated host may miss a few beats while alive.
+    heartbeat_ttl_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class GatewayConfig:
     max_tokens_default: int = 256  # `max_tokens` when the request omits it (capped by context)
     request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
     first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
-    worker_liveness_s: float = 3.0  # a worker whose heartbeat is older is treated as gone
+    worker_liveness_s: float = 10.0  # a worker whose heartbeat is older is treated as gone (<= heartbeat_ttl_s)
     # Admission control (scheduler/admission.py): refuse what cannot meet its TTFT target.
     admission: bool = True
     first_token_overhead_ms: float = 150.0  # KV transfer + first decode step, added to the queueing estimate

@@ -27,15 +27,15 @@ class WorkerInfo:
     tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
 
 
-async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, period_s: float) -> None:
-    """Announce a worker for ~3 periods. The hash carries the load numbers; the
+async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: float) -> None:
+    """Announce a worker for `ttl_s`. The hash carries the load numbers; the
     zset gives readers the list of workers without a SCAN (which would need
     one call per shard in Redis Cluster)."""
     now = time.time()
     info.last_seen = now
     pipe = r.pipeline(transaction=False)
     pipe.hset(keys.worker(info.worker_id), mapping={k: str(v) for k, v in info.__dict__.items()})
-    pipe.expire(keys.worker(info.worker_id), max(1, int(period_s * 3 + 0.999)))
+    pipe.expire(keys.worker(info.worker_id), max(1, int(ttl_s + 0.999)))
     pipe.zadd(keys.workers, {info.worker_id: now})
     await pipe.execute()
 

@@ -48,7 +48,7 @@ async def collect(cfg: SkylineConfig) -> dict:
             except ResponseError:
                 pass  # stream not created yet: no worker of this stage has started
             streams.append(StreamStatus(stage, tier, key, length, pending, lag, consumers))
-        workers = await list_workers(r, keys, liveness_s=max(3.0, cfg.worker.heartbeat_s * 3))
+        workers = await list_workers(r, keys, liveness_s=cfg.gateway.worker_liveness_s)
         return {"redis": cfg.redis.url, "time": time.time(), "streams": [asdict(s) for s in streams],
                 "workers": [asdict(w) for w in workers]}
     finally:

@@ -239,7 +239,7 @@ class WorkerRuntime:
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.in_flight), s.waiting, s.kv_usage
         self.info.running_tokens = self.prompt_tokens_in_flight if self.role == "prefill" else 0
         self.info.tokens_per_s = (self.meter.tokens_per_s(now_ms()) or 0.0) if self.role == "prefill" else 0.0
-        await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_s)
+        await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
         while True:
