@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -37,6 +37,7 @@ from skyline.gateway.responses import DONE, Shaper, error_event
 from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from skyline.gateway.session import Disconnected, Session
 from skyline.keys import Keys
+from skyline.scheduler.disagg import route
 from skyline.streams import enqueue, ensure_groups, now_ms, release_backlog
 from skyline.tokenizer import Tokenizer
 
@@ -120,6 +121,11 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
         """Check the fleet can serve the request, subscribe to its output, enqueue it."""
         fleet, relay, r = state.fleet, state.relay, state.redis
         assert fleet is not None and relay is not None and r is not None
+        if not prep.route_fixed and prep.route == "disagg":
+            # Queue depth is part of the route decision: re-decide with the cached prefill backlog.
+            path = route(serving.policy, len(prep.request.prompt_token_ids), fleet.prefill_backlog_tokens)
+            if path != prep.route:
+                prep = replace(prep, route=path, request=replace(prep.request, route=path))
         missing = await fleet.missing(needed_roles(prep.route))
         if fleet.error:
             raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")

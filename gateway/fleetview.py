@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from skyline.fleet import WorkerInfo, list_workers
 from skyline.keys import Keys
+from skyline.streams import queued_tokens
 
 log = logging.getLogger("skyline.gateway.fleet")
 
@@ -37,12 +38,14 @@ class FleetView:
         self.workers: list[WorkerInfo] = []
         self.roles: Counter[str] = Counter()
         self.error: str | None = None  # last refresh failure (Redis down), None when healthy
+        self.prefill_backlog_tokens = 0  # prompt tokens admitted to the prefill pool and not yet prefilled
         self.refreshed_at = 0.0
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> None:
         try:
             workers = await list_workers(self.r, self.keys, self.liveness_s)
+            self.prefill_backlog_tokens = sum((await queued_tokens(self.r, self.keys, "prefill")).values())
         except (RedisError, OSError) as exc:
             if self.error is None:
                 log.warning("cannot read worker heartbeats: %s", exc)

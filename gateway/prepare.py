@@ -45,7 +45,8 @@ class Serving:
 
     @property
     def policy(self) -> DisaggPolicy:
-        return DisaggPolicy(self.cfg.gateway.mode, self.cfg.gateway.min_remote_prefill_tokens)
+        g = self.cfg.gateway
+        return DisaggPolicy(g.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Prepared:
     allow_demotion: bool = False  # the client accepts a looser tier instead of a 429
     admission: str = "admit"  # admission control's decision ("admit" or "demote")
     predicted_ttft_ms: float | None = None  # admission control's prediction, reported back
+    route_fixed: bool = False  # the client chose the route (x-skyline-route): never re-routed
 
 
 def check_auth(request: Request, api_keys: tuple[str, ...]) -> None:
@@ -154,7 +156,7 @@ async def prepare(serving: Serving, kind: str, body: CompletionRequest | ChatCom
     demotion = request.headers.get("x-slo-allow-demotion", "").lower() in ("1", "true", "yes") or bool(
         body.slo and body.slo.allow_demotion)
     return Prepared(kind, gen, slo, path, bool(body.stream), body.include_usage(), int(time.time()), t_arrival,
-                    allow_demotion=demotion)
+                    allow_demotion=demotion, route_fixed="x-skyline-route" in request.headers)
 
 
 async def _tokenize(tok: Tokenizer, body: CompletionRequest | ChatCompletionRequest) -> list[int]:

@@ -9,17 +9,22 @@ from dataclasses import dataclass
 class DisaggPolicy:
     """`mode`: "disagg" (prefill pool, then decode pool) or "colocated" (decode pool only).
 
-    `min_remote_prefill_tokens`: in disagg mode, prompts shorter than this are
-    prefilled by the decode worker itself, because moving their KV costs more
-    than it saves (0 = every prompt goes to the prefill pool).
+    In disagg mode a prompt is prefilled by the decode worker itself when it
+    is shorter than `min_remote_prefill_tokens` (moving its KV costs more than
+    it saves), or when the prefill pool's backlog exceeds
+    `max_prefill_backlog_tokens` (0 = no limit): waiting behind it would cost
+    more than computing the prompt next to the decode (Dynamo's rule of thumb).
     """
 
     mode: str = "disagg"
     min_remote_prefill_tokens: int = 0
+    max_prefill_backlog_tokens: int = 0
 
 
-def route(policy: DisaggPolicy, prompt_tokens: int) -> str:
+def route(policy: DisaggPolicy, prompt_tokens: int, prefill_backlog_tokens: int = 0) -> str:
     """The path of one request: "disagg" or "colocated"."""
     if policy.mode == "colocated" or prompt_tokens < policy.min_remote_prefill_tokens:
+        return "colocated"
+    if policy.max_prefill_backlog_tokens and prefill_backlog_tokens > policy.max_prefill_backlog_tokens:
         return "colocated"
     return "disagg"

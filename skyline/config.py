@@ -73,6 +73,7 @@ class GatewayConfig:
     port: int = 8000
     mode: str = "disagg"  # "disagg" (prefill pool -> decode pool) or "colocated" (decode pool only)
     min_remote_prefill_tokens: int = 0  # disagg: shorter prompts are prefilled on the decode worker
+    max_prefill_backlog_tokens: int = 0  # disagg: beyond this prefill backlog, prefill on the decode worker (0 = never)
     api_keys: tuple[str, ...] = ()  # empty = no authentication
     max_body_bytes: int = 1_000_000
     max_tokens_default: int = 256  # `max_tokens` when the request omits it (capped by context)

@@ -48,3 +48,10 @@ def test_conditional_disaggregation():
     assert route(DisaggPolicy("disagg", 64), 63) == "colocated"
     assert route(DisaggPolicy("disagg", 64), 64) == "disagg"
     assert route(DisaggPolicy("colocated", 0), 5_000) == "colocated"
+
+
+def test_a_deep_prefill_backlog_sends_prompts_to_the_decode_pool():
+    policy = DisaggPolicy("disagg", min_remote_prefill_tokens=0, max_prefill_backlog_tokens=10_000)
+    assert route(policy, 500, prefill_backlog_tokens=10_000) == "disagg"
+    assert route(policy, 500, prefill_backlog_tokens=10_001) == "colocated"
+    assert route(DisaggPolicy("disagg"), 500, prefill_backlog_tokens=10**9) == "disagg"  # 0 = no limit
