@@ -46,14 +46,16 @@ class Decision:
     reason: str = ""
 
 
-def predict_ttft_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prompt_tokens: int, load: FleetLoad) -> float:
+def tokens_ahead(tiers: tuple[Tier, ...], tier: str, load: FleetLoad) -> int:
+    """Prefill tokens EDF serves before a new request of `tier`: its own and stricter tiers'."""
     by_name = {t.name: t for t in tiers}
     limit = by_name[tier].ttft_ms
-    ahead = sum(
-        n for name, n in load.queued_tokens.items() if name in by_name and by_name[name].ttft_ms <= limit
-    )
+    return sum(n for name, n in load.queued_tokens.items() if name in by_name and by_name[name].ttft_ms <= limit)
+
+
+def predict_ttft_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prompt_tokens: int, load: FleetLoad) -> float:
     rate = load.prefill_tokens_per_s or policy.prior_prefill_tokens_per_s
-    return (ahead + prompt_tokens) * 1000.0 / rate + policy.first_token_overhead_ms
+    return (tokens_ahead(tiers, tier, load) + prompt_tokens) * 1000.0 / rate + policy.first_token_overhead_ms
 
 
 def admit(
@@ -70,7 +72,9 @@ def admit(
     if sum(load.queued_tokens.values()) + prompt_tokens > policy.max_queued_tokens:
         return Decision("overloaded", tier, math.inf, retry_after_s=5, reason="prefill backlog is full")
     predicted = predict_ttft_ms(policy, tiers, tier, prompt_tokens, load)
-    if predicted <= ttft_ms or tier not in policy.sheddable_tiers:
+    # Nothing ahead: the request would be served first, so refusing it cannot help
+    # anyone (and a too-pessimistic throughput estimate must not shed an idle fleet).
+    if predicted <= ttft_ms or tier not in policy.sheddable_tiers or tokens_ahead(tiers, tier, load) == 0:
         return Decision("admit", tier, predicted)
     if allow_demotion:
         for looser in sorted((t for t in tiers if t.ttft_ms > ttft_ms), key=lambda t: t.ttft_ms):

@@ -5,8 +5,8 @@ while lower-priority prompts already hold the step's token budget (measured:
 a short request behind six ~1,500-token prompts waited 8.6-9 s with
 `--scheduling-policy priority`). So the prefill worker holds few prompts at a
 time, and when the head of a stricter tier would miss its deadline waiting
-for them, the least urgent one is aborted and re-queued with its original
-arrival time (same deadline: EDF brings it back in turn).
+for them, the least urgent ones are aborted and re-queued with their original
+arrival times (same deadlines: EDF brings them back in turn).
 
 Starvation is bounded twice: a request is preempted at most
 `max_preemptions` times, and its deadline keeps its place in EDF order.
@@ -39,24 +39,35 @@ class PreemptionPolicy:
     max_preemptions: int = 2
 
 
-def choose_victim(
+def choose_victims(
     policy: PreemptionPolicy, running: list[Running], head: Waiting, now_ms: int, tokens_per_s: float
-) -> str | None:
-    """The request to abort so `head` can start now, or None.
+) -> list[str]:
+    """The requests to abort so that `head` can meet its deadline, least urgent first.
 
-    Preempt only when `head` would miss its deadline if it waited for the
-    running work to finish, and a victim of a strictly looser tier exists that
-    has not used up its preemptions. Among candidates: the loosest tier, then the
-    latest deadline, then the most remaining work (the least sunk cost).
+    vLLM keeps giving each step's token budget to requests already running
+    before it looks at a waiting one, whatever their priorities, so every
+    running prompt delays `head` by all of its remaining work. Preempt only
+    when `head` would miss its deadline waiting for them, and then abort
+    looser-tier requests (loosest tier, then latest deadline, then most
+    remaining work: the least sunk cost) until what is left fits before the
+    deadline. Requests of `head`'s tier or stricter, and requests that have
+    used up their preemptions, are never chosen.
     """
     if not policy.enabled or not running or tokens_per_s <= 0:
-        return None
-    ms_per_token = 1000.0 / tokens_per_s
-    finish_if_waiting = now_ms + (sum(r.remaining_tokens for r in running) + head.prompt_tokens) * ms_per_token
-    if finish_if_waiting <= head.deadline_ms:
-        return None
-    candidates = [r for r in running if r.tier_rank > head.tier_rank and r.preemptions < policy.max_preemptions]
-    if not candidates:
-        return None
-    victim = max(candidates, key=lambda r: (r.tier_rank, r.deadline_ms, r.remaining_tokens))
-    return victim.request_id
+        return []
+    budget_tokens = (head.deadline_ms - now_ms) * tokens_per_s / 1000.0 - head.prompt_tokens
+    ahead = sum(r.remaining_tokens for r in running)
+    if ahead <= budget_tokens:
+        return []
+    candidates = sorted(
+        (r for r in running if r.tier_rank > head.tier_rank and r.preemptions < policy.max_preemptions),
+        key=lambda r: (r.tier_rank, r.deadline_ms, r.remaining_tokens),
+        reverse=True,
+    )
+    victims = []
+    for r in candidates:
+        if ahead <= budget_tokens:
+            break
+        victims.append(r.request_id)
+        ahead -= r.remaining_tokens
+    return victims

@@ -29,6 +29,10 @@ class EngineConfig:
     served_model_name: str = ""  # name clients send as `model`; "" = derived from `model`
     dtype: str = "float32"  # bfloat16 produced garbage with the default model on CPU
     max_model_len: int = 2048
+    # Tokens per engine step (chunked prefill). Small steps bound how long a running
+    # long prompt can hold the engine once a more urgent request arrives: an abort
+    # or a priority change takes effect at the next step. 0 = vLLM's default.
+    max_num_batched_tokens: int = 256
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     nixl_host: str = "127.0.0.1"  # address other hosts use to pull KV from this engine

@@ -1,7 +1,7 @@
 import math
 
 from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, admit, predict_ttft_ms
-from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victim
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.tiers import DEFAULT_TIERS
 
@@ -31,6 +31,12 @@ def test_admit_reject_boundary():
     assert d.action == "reject" and d.retry_after_s == 1 and "interactive" in d.reason
 
 
+def test_a_request_with_nothing_ahead_is_never_shed():
+    # Even a prompt predicted to take longer than its target: waiting cannot make it faster.
+    slow = load({"batch": 50_000}, rate=10.0)
+    assert admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 500, slow).action == "admit"
+
+
 def test_retry_after_reflects_how_far_over_the_target():
     d = admit(POLICY, DEFAULT_TIERS, "interactive", 1000, 100, load({"interactive": 5_000}))
     assert d.action == "reject" and d.retry_after_s == math.ceil((5_200 - 1_000) / 1000)
@@ -52,22 +58,27 @@ def test_non_sheddable_tiers_queue_but_the_backlog_is_bounded():
 def test_no_preemption_when_the_head_can_wait():
     running = [Running("b1", 2, 99_000, 500, 0)]
     head = Waiting(0, deadline_ms=2_000, prompt_tokens=100)
-    assert choose_victim(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) is None
+    assert choose_victims(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == []
 
 
-def test_preempts_the_loosest_latest_running_request():
+def test_preempts_the_least_urgent_requests_until_the_head_fits():
     running = [Running("std", 1, 9_000, 1500, 0), Running("b-early", 2, 50_000, 1500, 0), Running("b-late", 2, 60_000, 10, 0)]
+    # 1,000 ms at 1,000 tok/s leaves room for 900 tokens besides the head's 100:
+    # every looser request must go, loosest tier and latest deadline first.
     head = Waiting(0, deadline_ms=1_000, prompt_tokens=100)
-    assert choose_victim(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == "b-late"
+    assert choose_victims(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == ["b-late", "b-early", "std"]
+    # With 3 s of slack, dropping the batch prompts is enough; the standard one stays.
+    head = Waiting(0, deadline_ms=3_000, prompt_tokens=100)
+    assert choose_victims(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == ["b-late", "b-early"]
 
 
 def test_preemption_never_hits_same_or_stricter_tiers_and_is_bounded():
     head = Waiting(1, deadline_ms=1_000, prompt_tokens=100)
-    assert choose_victim(PreemptionPolicy(), [Running("i", 0, 500, 5000, 0)], head, 0, 1000) is None
-    assert choose_victim(PreemptionPolicy(), [Running("s", 1, 500, 5000, 0)], head, 0, 1000) is None
+    assert choose_victims(PreemptionPolicy(), [Running("i", 0, 500, 5000, 0)], head, 0, 1000) == []
+    assert choose_victims(PreemptionPolicy(), [Running("s", 1, 500, 5000, 0)], head, 0, 1000) == []
     exhausted = [Running("b", 2, 90_000, 5000, 2)]
-    assert choose_victim(PreemptionPolicy(max_preemptions=2), exhausted, head, 0, 1000) is None
-    assert choose_victim(PreemptionPolicy(enabled=False), [Running("b", 2, 90_000, 5000, 0)], head, 0, 1000) is None
+    assert choose_victims(PreemptionPolicy(max_preemptions=2), exhausted, head, 0, 1000) == []
+    assert choose_victims(PreemptionPolicy(enabled=False), [Running("b", 2, 90_000, 5000, 0)], head, 0, 1000) == []
 
 
 def test_throughput_meter_uses_busy_time_not_per_request_time():

@@ -30,7 +30,7 @@ from skyline import messages
 from skyline.config import SkylineConfig
 from skyline.fleet import WorkerInfo, deregister, heartbeat
 from skyline.keys import Keys
-from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victim
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, now_ms
 from skyline.workers.engines.base import Engine
@@ -132,13 +132,11 @@ class WorkerRuntime:
                 running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
                                        len(req.prompt_token_ids), req.preemptions))
         waiting = Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms, head.prompt_tokens)
-        victim = choose_victim(self.preemption, running, waiting, now_ms(), self.tokens_per_s())
-        if victim is None:
-            return
-        log.info("preempting %s for a %s request due in %d ms", victim, head.tier, head.deadline_ms - now_ms())
-        self.preempting.add(victim)
-        await self.engine.abort(victim)
-        self.in_flight[victim][0].cancel()
+        for victim in choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s()):
+            log.info("preempting %s for a %s request due in %d ms", victim, head.tier, head.deadline_ms - now_ms())
+            self.preempting.add(victim)
+            await self.engine.abort(victim)
+            self.in_flight[victim][0].cancel()
 
     async def _requeue_preempted(self, claimed: Claimed) -> None:
         """Put a preempted request back with its original arrival and deadline, then ack

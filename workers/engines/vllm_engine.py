@@ -116,6 +116,12 @@ class VllmEngine(Engine):
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.nixl_host
         # A KV cache size given in VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes below.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        import torch
+
+        if self.kv_transfer and not torch.cuda.is_available():
+            # CPU KV buffers: NIXL's progress thread would busy-poll the engine's own core;
+            # vllm_plugin.py (loaded by vLLM in the engine processes) makes it pause between polls.
+            os.environ.setdefault("SKYLINE_NIXL_PROGRESS_DELAY_US", "200")
 
     def _engine_args(self) -> Any:
         import torch
