@@ -68,7 +68,10 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        r = aioredis.from_url(cfg.redis.url)
+        # A blocking pool: a burst of requests waits (briefly) for a connection instead of
+        # failing with "Too many connections" (seen at 128 concurrent streams).
+        pool = aioredis.BlockingConnectionPool.from_url(cfg.redis.url, max_connections=64, timeout=5)
+        r = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
         try:
             await ensure_groups(r, keys, cfg.tier_names)
             relay = Relay(cfg.redis.url, keys)

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--concurrency", type=int, default=32)
     ov.add_argument("--duration", type=float, default=20.0, help="seconds of the throughput phase")
     ov.add_argument("--max-tokens", type=int, default=256)
+    ov.add_argument("--decode-step-ms", type=float, default=0.0,
+                    help="sim decode step time; > 0 streams one token per frame (per-message cost)")
     from skyline.bench.options import add_run_arguments  # argparse only: cheap
 
     br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")

@@ -13,6 +13,7 @@ import logging
 from skyline import messages
 from skyline.streams import Claimed, now_ms
 from skyline.workers.prefill import engine_request
+from skyline.workers.publisher import BatchPublisher
 from skyline.workers.runtime import WorkerRuntime
 
 log = logging.getLogger("skyline.worker.decode")
@@ -25,6 +26,8 @@ class ClientGone(Exception):
 class DecodeHandler:
     def __init__(self, rt: WorkerRuntime):
         self.rt = rt
+        self.publisher = BatchPublisher(rt.redis)
+        rt.on_start.append(self.publisher.start)
 
     async def __call__(self, claimed: Claimed) -> None:
         work = claimed.message
@@ -49,7 +52,7 @@ class DecodeHandler:
                 if chunk.token_ids or chunk.text:
                     first_token_ms = first_token_ms or now_ms()
                     frame = messages.TokenDelta(req.request_id, seq, produced, chunk.token_ids, chunk.text)
-                    if await self.rt.redis.publish(channel, messages.encode(frame)) == 0:
+                    if await self.publisher.publish(channel, messages.encode(frame)) == 0:
                         raise ClientGone
                     seq += 1
                     produced += len(chunk.token_ids)
@@ -76,5 +79,5 @@ class DecodeHandler:
             completion_tokens=produced, timings=timings, kv_transfer=kv_transfer,
             decode_worker=self.rt.worker_id, prefill_worker=work.prefill_worker,
         )
-        await self.rt.redis.publish(channel, messages.encode(final))
+        await self.publisher.publish(channel, messages.encode(final))
         await self.rt.queues.ack(claimed)

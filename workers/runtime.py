@@ -66,6 +66,7 @@ class WorkerRuntime:
             pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
         )
         self.handle: Callable[[Claimed], Awaitable[None]] | None = None
+        self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -77,6 +78,8 @@ class WorkerRuntime:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
+        for hook in self.on_start:
+            hook()
         await self._beat()
         log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
         side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]

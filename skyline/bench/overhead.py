@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 import os
 import subprocess
 import sys
@@ -26,18 +27,18 @@ import httpx
 from skyline.bench.client import percentile, stream_completion
 from skyline.redis_server import free_port, start_redis
 
-ZERO_SIM = """
+SIM_TIMING = """
 [engine]
 sim_prefill_base_s = 0.0
 sim_prefill_per_token_s = 0.0
-sim_decode_base_s = 0.0
+sim_decode_base_s = {decode_step_s}
 sim_decode_per_seq_s = 0.0
 """
 
 
-def _start_fleet(workdir: Path) -> tuple[list[subprocess.Popen], str]:
+def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[list[subprocess.Popen], str]:
     cfg = workdir / "zero.toml"
-    cfg.write_text(ZERO_SIM)
+    cfg.write_text(SIM_TIMING.format(decode_step_s=decode_step_s))
     rport, gport = free_port(), free_port()
     redis = start_redis(rport, workdir / "redis")
     common = ["--redis-url", f"redis://127.0.0.1:{rport}/0", "--engine", "sim", "--config", str(cfg), "--log-level", "WARNING"]
@@ -85,6 +86,7 @@ async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens:
     chunks = sum(len(r.chunk_times) for r in ok)
     return {
         "concurrency": concurrency, "seconds": round(elapsed, 2), "requests_ok": len(ok), "requests_failed": len(done) - len(ok),
+        "errors": dict(Counter(f"{r.status} {r.error[:120]}" for r in done if not r.ok)),
         "requests_per_s": len(ok) / elapsed, "streamed_tokens_per_s": tokens / elapsed,
         # Frames carry every token the engine produced since the last frame, so
         # SSE chunks/s (one per frame) is the fleet's message rate.
@@ -94,12 +96,16 @@ async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens:
     }
 
 
-def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, max_tokens: int = 256) -> dict:
+def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, max_tokens: int = 256,
+        decode_step_ms: float = 0.0) -> dict:
+    """`decode_step_ms` > 0 makes the sim engine emit one token per sequence per step, so
+    every frame carries one token: the fleet's per-message cost instead of its batching."""
     with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp:
-        procs, url = _start_fleet(Path(tmp))
+        procs, url = _start_fleet(Path(tmp), decode_step_ms / 1000.0)
         try:
             result = {
                 "machine": {"cpus": os.cpu_count()},
+                "sim_decode_step_ms": decode_step_ms,
                 "added_latency": asyncio.run(_latency(url, n_latency)),
                 "throughput": asyncio.run(_throughput(url, concurrency, duration_s, max_tokens)),
             }
@@ -111,5 +117,5 @@ def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, m
 
 
 def main(args) -> None:
-    result = run(args.requests, args.concurrency, args.duration, args.max_tokens)
+    result = run(args.requests, args.concurrency, args.duration, args.max_tokens, args.decode_step_ms)
     print(json.dumps(result, indent=2))
