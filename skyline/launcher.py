@@ -96,7 +96,15 @@ def _wait_ready(url: str, procs: list, want: dict[str, int], timeout_s: float) -
     raise TimeoutError(f"fleet not ready after {timeout_s:.0f}s")
 
 
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
 def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
+    # Ctrl-C and SIGTERM both stop the fleet, also when `up` was started in the
+    # background by a shell (which starts it with SIGINT ignored).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     home = Path(os.environ.get("SKYLINE_HOME", "~/.cache/skyline")).expanduser()
     procs: list[tuple[str, subprocess.Popen]] = []
     redis_proc = None
@@ -124,7 +132,6 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
             want[extra[0]] = want.get(extra[0], 0) + 1
         _wait_ready(url, procs, want, timeout_s=600)
         _banner(cfg, url, time.monotonic() - t0)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         while all(p.poll() is None for _, p in procs):
             time.sleep(0.5)
         dead = [f"{n} (exit {p.returncode})" for n, p in procs if p.poll() is not None]
