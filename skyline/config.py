@@ -41,10 +41,11 @@ class EngineConfig:
     # worker re-prefills locally when a handle is older than 80% of this, because
     # vLLM may hand out the blocks of an expired lease to other requests.
     kv_lease_s: float = 60.0
-    # CPU niceness of the engine processes (0 = unchanged). An idle vLLM CPU
-    # engine with NIXL busy-polls a core; a higher nice keeps Redis and the
-    # control plane responsive next to it.
-    engine_nice: int = 10
+    # CPU niceness of the engine processes (0 = unchanged). Off by default: with
+    # NIXL's progress thread quieted (vllm_plugin.py) the control plane is not
+    # starved, and a niced multi-core engine loses its OpenMP threads to any other
+    # process mid-step (measured: TPOT 50 ms -> seconds on a busy 2-core host).
+    engine_nice: int = 0
     # sim engine timing model (seconds): prefill = base + per_token * prompt tokens,
     # decode step = base + per_seq * running sequences.
     sim_prefill_base_s: float = 0.005

@@ -75,7 +75,7 @@ class VllmEngine(Engine):
         kv_lease_s: int = DEFAULT_KV_LEASE_S,
         kv_role: str = "kv_both",
         enforce_eager: bool | None = None,
-        engine_nice: int = 10,
+        engine_nice: int = 0,
     ):
         self.model = model
         self.engine_nice = engine_nice
