@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--nixl-host", help="address other hosts use to pull KV from this engine")
     wk.add_argument("--nixl-port", type=int, help="NIXL side-channel port (default: a free port)")
     wk.add_argument("--kv-cache-gib", type=float)
+    wk.add_argument("--no-kv-transfer", dest="kv_transfer", action="store_false", default=None,
+                    help="no NIXL connector (a colocated-only fleet never moves KV)")
 
     st = sub.add_parser("status", help="show streams, groups and workers")
     st.add_argument("--redis-url")
@@ -97,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         "engine": {
             "kind": g("engine"), "model": g("model"), "served_model_name": g("served_model_name"),
             "max_model_len": g("max_model_len"), "cpu_bind": g("cpu_bind"), "nixl_host": g("nixl_host"),
-            "nixl_port": g("nixl_port"), "kv_cache_gib": g("kv_cache_gib"),
+            "nixl_port": g("nixl_port"), "kv_cache_gib": g("kv_cache_gib"), "kv_transfer": g("kv_transfer"),
         },
         "worker": {"role": g("role"), "worker_id": g("worker_id"), "max_running": g("max_running")},
         "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys},

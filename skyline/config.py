@@ -35,6 +35,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
+    # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
+    # measured here a 2-core colocated engine with the connector loaded stalled
+    # (requests made no progress for 40 s) where the same engine without it did not.
+    kv_transfer: bool = True
     nixl_host: str = "127.0.0.1"  # address other hosts use to pull KV from this engine
     nixl_port: int | None = None  # NIXL side-channel port, distinct per engine on one host
     # How long a prefill engine keeps KV blocks for a handle nobody pulled. A decode

@@ -42,7 +42,9 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int) -> list[tupl
         args = [role]
         if cfg.engine.kind == "vllm":
             bind = f"{cores[0]}-{cores[-1]}" if len(roles) == 1 else str(cores[i % len(cores)])
-            args += ["--cpu-bind", bind, "--nixl-port", str(free_port())]
+            args += ["--cpu-bind", bind]
+            # A colocated fleet never moves KV: no NIXL connector at all.
+            args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
         name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
         plan.append((name, args))
     return plan
