@@ -1,45 +1,23 @@
 """SLO scheduling with sim workers on a real Redis: EDF claims, fleet-level preemption."""
 
 import asyncio
-from dataclasses import replace
 
 import pytest
-import redis.asyncio as aioredis
 
 from skyline import messages as m
-from skyline.config import SkylineConfig
 from skyline.keys import Keys
-from skyline.streams import enqueue, ensure_groups, now_ms
-from skyline.workers.decode import DecodeHandler
-from skyline.workers.engines.sim import SimEngine, SimTiming
-from skyline.workers.prefill import PrefillHandler
-from skyline.workers.runtime import WorkerRuntime
+from skyline.streams import enqueue, now_ms
+from skyline.workers.engines.sim import SimTiming
+from tests.inprocess import start_fleet, stop_fleet
 
 # 1 ms per prompt token: a 1,500-token "RAG" prompt takes 1.5 s to prefill, in 256-token chunks.
 SLOW_PREFILL = SimTiming(prefill_base_s=0.0, prefill_per_token_s=0.001, decode_base_s=0.005, decode_per_seq_s=0.0,
                          max_batch_tokens=256)
 
 
-async def start_fleet(redis_url, key_prefix, preemption: bool):
-    cfg = SkylineConfig(key_prefix=key_prefix)
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url),
-                  worker=replace(cfg.worker, heartbeat_s=0.2, preemption=preemption, prior_prefill_tokens_per_s=1000))
-    runtimes, tasks = [], []
-    for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
-        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-slo"))
-        rt = WorkerRuntime(rcfg, SimEngine(SLOW_PREFILL), "skyline-sim")
-        runtimes.append(rt)
-        tasks.append(asyncio.create_task(rt.run(handler(rt), install_signals=False)))
-    client = aioredis.from_url(redis_url)
-    await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
-    return cfg, client, runtimes, tasks
-
-
-async def stop_fleet(client, runtimes, tasks):
-    for rt in runtimes:
-        rt.stopping.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
-    await client.aclose()
+async def start_slo_fleet(redis_url, key_prefix, preemption: bool):
+    return await start_fleet(redis_url, key_prefix, SLOW_PREFILL, "slo", preemption=preemption,
+                             prior_prefill_tokens_per_s=1000)
 
 
 def make_request(cfg, rid, tier, prompt_tokens, max_tokens=4):
@@ -77,7 +55,7 @@ async def watch(client, keys, rid) -> dict:
 
 @pytest.mark.parametrize("preemption", [True, False])
 async def test_interactive_request_overtakes_a_burst_of_long_batch_prompts(redis_url, key_prefix, preemption):
-    cfg, client, runtimes, tasks = await start_fleet(redis_url, key_prefix, preemption)
+    cfg, client, runtimes, tasks = await start_slo_fleet(redis_url, key_prefix, preemption)
     keys = Keys(key_prefix)
     try:
         rag = [make_request(cfg, f"rag-{i}", "batch", 1500) for i in range(6)]
@@ -108,7 +86,7 @@ async def test_interactive_request_overtakes_a_burst_of_long_batch_prompts(redis
 
 async def test_preemption_is_bounded_so_batch_still_finishes(redis_url, key_prefix):
     """A stream of interactive requests cannot starve a batch prompt forever."""
-    cfg, client, runtimes, tasks = await start_fleet(redis_url, key_prefix, True)
+    cfg, client, runtimes, tasks = await start_slo_fleet(redis_url, key_prefix, True)
     keys = Keys(key_prefix)
     try:
         big = [make_request(cfg, f"big-{i}", "batch", 1500) for i in range(2)]

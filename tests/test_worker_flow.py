@@ -5,19 +5,14 @@ channel, enqueue on a tier stream, read the frames.
 """
 
 import asyncio
-from dataclasses import replace
 
 import pytest
-import redis.asyncio as aioredis
 
 from skyline import messages as m
-from skyline.config import SkylineConfig
 from skyline.keys import Keys
-from skyline.streams import enqueue, ensure_groups, now_ms
-from skyline.workers.decode import DecodeHandler
-from skyline.workers.engines.sim import SimEngine, SimTiming
-from skyline.workers.prefill import PrefillHandler
-from skyline.workers.runtime import WorkerRuntime
+from skyline.streams import enqueue, now_ms
+from skyline.workers.engines.sim import SimTiming
+from tests.inprocess import start_fleet, stop_fleet
 
 FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.001, decode_per_seq_s=0.0)
 
@@ -25,21 +20,9 @@ FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.
 @pytest.fixture
 async def fleet(redis_url, key_prefix):
     """One prefill and one decode worker running in this event loop."""
-    cfg = SkylineConfig(key_prefix=key_prefix)
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url), worker=replace(cfg.worker, heartbeat_s=0.2))
-    runtimes, tasks = [], []
-    for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
-        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-test"))
-        rt = WorkerRuntime(rcfg, SimEngine(FAST), "skyline-sim")
-        runtimes.append(rt)
-        tasks.append(asyncio.create_task(rt.run(handler(rt), install_signals=False)))
-    client = aioredis.from_url(redis_url)
-    await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
+    cfg, client, runtimes, tasks = await start_fleet(redis_url, key_prefix, FAST, "test")
     yield cfg, client, runtimes
-    for rt in runtimes:
-        rt.stopping.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
-    await client.aclose()
+    await stop_fleet(client, runtimes, tasks)
 
 
 def gen_request(rid: str, prompt: list[int], max_tokens: int, route: str = "disagg") -> m.GenerateRequest:

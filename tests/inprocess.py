@@ -1,0 +1,39 @@
+"""A prefill and a decode worker on `sim` engines, running in the test's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+
+from skyline.config import SkylineConfig
+from skyline.keys import Keys
+from skyline.streams import ensure_groups
+from skyline.workers.decode import DecodeHandler
+from skyline.workers.engines.sim import SimEngine, SimTiming
+from skyline.workers.prefill import PrefillHandler
+from skyline.workers.runtime import WorkerRuntime
+
+
+async def start_fleet(redis_url: str, key_prefix: str, timing: SimTiming, suffix: str, **worker_options):
+    """(cfg, redis client, [prefill runtime, decode runtime], tasks); workers are named `<role>-<suffix>`."""
+    cfg = SkylineConfig(key_prefix=key_prefix)
+    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url),
+                  worker=replace(cfg.worker, heartbeat_s=0.2, **worker_options))
+    runtimes, tasks = [], []
+    for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
+        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-{suffix}"))
+        rt = WorkerRuntime(rcfg, SimEngine(timing), "skyline-sim")
+        runtimes.append(rt)
+        tasks.append(asyncio.create_task(rt.run(handler(rt), install_signals=False)))
+    client = aioredis.from_url(redis_url)
+    await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
+    return cfg, client, runtimes, tasks
+
+
+async def stop_fleet(client, runtimes, tasks, timeout_s: float = 20) -> None:
+    for rt in runtimes:
+        rt.stopping.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
+    await client.aclose()
