@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,26 @@ class Fleet:
 
     def start_worker(self, name: str, role: str, *args: str) -> subprocess.Popen:
         return self.start(name, ["worker", role, *self._common(), "--worker-id", name, *args])
+
+    @contextlib.contextmanager
+    def running(self, workers: dict[str, tuple[str, ...]], timeout_s: float):
+        """Gateway plus `workers` (name -> (role, *extra args)), ready; everything stopped on exit."""
+        self.start_gateway()
+        for name, (role, *args) in workers.items():
+            self.start_worker(name, role, *args)
+        try:
+            want: dict[str, int] = {}
+            for role, *_ in workers.values():
+                want[role] = want.get(role, 0) + 1
+            self.wait_ready(want, timeout_s)
+            yield self
+        finally:
+            self.stop_all()
+
+    def client(self, timeout_s: float):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
     def health(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:

@@ -19,20 +19,14 @@ MODEL = "skyline-sim"
 @pytest.fixture(scope="module")
 def fleet(redis_url, tmp_path_factory):
     f = Fleet(redis_url, "e2e-sim", "sim", tmp_path_factory.mktemp("fleet-logs"))
-    f.start_gateway()
-    f.start_worker("prefill-a", "prefill")
-    f.start_worker("decode-a", "decode")
-    f.start_worker("decode-b", "decode")
-    try:
-        f.wait_ready({"prefill": 1, "decode": 2}, timeout_s=60)
+    workers = {"prefill-a": ("prefill",), "decode-a": ("decode",), "decode-b": ("decode",)}
+    with f.running(workers, timeout_s=60):
         yield f
-    finally:
-        f.stop_all()
 
 
 @pytest.fixture(scope="module")
 def client(fleet):
-    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return fleet.client(timeout_s=30)
 
 
 def test_models_lists_the_served_model(client):

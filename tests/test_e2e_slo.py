@@ -28,19 +28,13 @@ def fleet(redis_url, tmp_path_factory):
     cfg = logs / "slow.toml"
     cfg.write_text(SLOW_SIM)
     f = Fleet(redis_url, "e2e-slo", "sim", logs, ["--config", str(cfg)])
-    f.start_gateway()
-    f.start_worker("prefill-slo", "prefill")
-    f.start_worker("decode-slo", "decode")
-    try:
-        f.wait_ready({"prefill": 1, "decode": 1}, timeout_s=60)
+    with f.running({"prefill-slo": ("prefill",), "decode-slo": ("decode",)}, timeout_s=60):
         yield f
-    finally:
-        f.stop_all()
 
 
 @pytest.fixture(scope="module")
 def client(fleet):
-    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return fleet.client(timeout_s=60)
 
 
 def _interactive(client, prompt_tokens: int, demote: bool = False):

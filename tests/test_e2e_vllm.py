@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 
-import openai
 import pytest
 
 from tests.fleet import Fleet
@@ -26,19 +25,14 @@ MODEL = "SmolLM2-135M-Instruct"
 def fleet(redis_url, tmp_path_factory):
     f = Fleet(redis_url, "e2e-vllm", "vllm", tmp_path_factory.mktemp("vllm-logs"), ["--model", "default"])
     cores = sorted(os.sched_getaffinity(0))
-    f.start_gateway()
-    f.start_worker("prefill-0", "prefill", "--cpu-bind", str(cores[0]))
-    f.start_worker("decode-0", "decode", "--cpu-bind", str(cores[-1]))
-    try:
-        f.wait_ready({"prefill": 1, "decode": 1}, timeout_s=600)
+    workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0])), "decode-0": ("decode", "--cpu-bind", str(cores[-1]))}
+    with f.running(workers, timeout_s=600):
         yield f
-    finally:
-        f.stop_all()
 
 
 @pytest.fixture(scope="module")
 def client(fleet):
-    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return fleet.client(timeout_s=120)
 
 
 def test_chat_answer_is_correct_and_came_through_nixl(client):

@@ -25,6 +25,13 @@ def _by_system(results: dict) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["rate"]) for k, v in out.items()}
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return path
+
+
 def plot_attainment(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for system, runs in _by_system(results).items():
@@ -33,10 +40,7 @@ def plot_attainment(results: dict, path: Path) -> Path:
     ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(-3, 103), title="SLO attainment vs rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ttft_cdf(results: dict, path: Path) -> Path:
@@ -67,10 +71,7 @@ def plot_ttft_cdf(results: dict, path: Path) -> Path:
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor tick labels overlap on a log axis
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_throughput(results: dict, path: Path) -> Path:
@@ -84,10 +85,7 @@ def plot_throughput(results: dict, path: Path) -> Path:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_all(results: dict, out_dir: Path) -> list[Path]:
