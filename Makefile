@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.skyline-installed
 
-.PHONY: up up-sim test test-fast model install clean help
+.PHONY: up up-sim test test-fast model install netns-tools chromium clean help
 
 help:
 	@echo "make up      - set up (first time) and start Redis + gateway + prefill + decode workers on vLLM"
@@ -30,6 +30,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The multi-host test (tests/test_multihost.py) builds network namespaces with iproute2's `ip`.
+# Installed only when missing, and only as root; elsewhere that test skips and says why.
+netns-tools:
+	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } || true
+
+# The dashboard test (tests/test_dashboard.py) loads /dashboard in Debian's headless chromium.
+# Installed only when missing (as root, with apt-get); elsewhere that test skips and says why.
+chromium:
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || true
+
 model: $(STAMP)
 	$(BIN)/skyline model prepare
 
@@ -39,10 +51,10 @@ up: model
 up-sim: $(STAMP)
 	$(BIN)/skyline up --engine sim
 
-test: model
+test: model netns-tools chromium
 	$(BIN)/pytest -q -rs
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) chromium
 	$(BIN)/pytest -q -rs -m "not vllm"
 
 clean:

@@ -25,12 +25,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline import messages
+from skyline import messages, redisconn
 from skyline.config import SkylineConfig
 from skyline.gateway.admission import apply_admission, policy_of, stage_of
+from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.errors import ApiError, install_handlers
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
+from skyline.gateway.observe import GatewayObserver, add_timeline_route
+from skyline.gateway.dashboard import add_dashboard_routes
 from skyline.gateway.prepare import Prepared, Serving, check_auth, needed_roles, parse, prepare, read_body
 from skyline.gateway.relay import Relay, RelayUnavailable
 from skyline.gateway.responses import DONE, Shaper, error_event
@@ -62,6 +65,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
     serving = Serving(cfg, tokenizer, served_model, max_model_len)
     keys = Keys(cfg.key_prefix)
     metrics = GatewayMetrics()
+    observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record
     admission_policy = policy_of(cfg)
     state = _State()
     started = int(time.time())
@@ -70,11 +74,10 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # A blocking pool: a burst of requests waits (briefly) for a connection instead of
         # failing with "Too many connections" (seen at 128 concurrent streams).
-        pool = aioredis.BlockingConnectionPool.from_url(cfg.redis.url, max_connections=64, timeout=5)
-        r = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
+        r = redisconn.connect(cfg.redis, max_connections=64, blocking_timeout_s=5)
         try:
             await ensure_groups(r, keys, cfg.tier_names)
-            relay = Relay(cfg.redis.url, keys)
+            relay = Relay(cfg.redis, keys)
             await relay.start()
             fleet = FleetView(r, keys, cfg.gateway.worker_liveness_s)
             await fleet.start()
@@ -82,12 +85,14 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             await r.aclose()
             raise
         state.redis, state.relay, state.fleet = r, relay, fleet
+        observer.start(r)
         log.info("gateway serving %r (max_model_len %d, mode %s) with Redis at %s",
-                 served_model, max_model_len, cfg.gateway.mode, cfg.redis.url)
+                 served_model, max_model_len, cfg.gateway.mode, redisconn.describe(cfg.redis))
         try:
             yield
         finally:
             await fleet.close()
+            await observer.close()
             await relay.close()
             if state.background:  # let pending cancels reach Redis
                 await asyncio.wait(state.background, timeout=2.0)
@@ -95,6 +100,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
 
     app = FastAPI(title="Skyline gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
+    app.include_router(batch_router(cfg, lambda: state.redis))  # OpenAI Batch API (gateway/batch_routes.py)
 
     async def generate(request: Request, kind: str) -> Response:
         t_arrival = time.perf_counter()
@@ -107,8 +113,10 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             prep = await prepare(serving, kind, body, request, arrival_ms, t_arrival)
             session = await _submit(prep)
             prep = session.prep  # admission control may have demoted it
+            observer.enqueued(prep, request, session.t_enqueue_ms)
         except ApiError as exc:
             metrics.count(prep.slo.tier if prep else "", prep.route if prep else "", exc.status)
+            observer.refused(prep, request, exc)
             raise
         headers = {"x-skyline-request-id": prep.request.request_id, "x-skyline-tier": prep.slo.tier,
                    "x-skyline-route": prep.route}
@@ -159,11 +167,13 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
         except RelayUnavailable as exc:
             raise ApiError(503, str(exc), code="relay_unavailable") from None
         session = Session(prep, sub, relay, r, keys, cfg.gateway, metrics, state.background)
+        session.on_close.append(observer.closed)
         if prep.route == "disagg":
             stage, msg = "prefill", prep.request
         else:
             stage, msg = "decode", messages.DecodeWork(request=prep.request, kv_handle=None)
         try:
+            session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
             await enqueue(r, keys, stage, msg, cfg.redis.stream_maxlen, backlog_reserved=cfg.gateway.admission)
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel
@@ -301,7 +311,15 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        if state.redis is not None and state.fleet is not None:
+            try:  # the fleet-wide queue gauges; without Redis the gateway's own metrics still render
+                await metrics.refresh_fleet(state.redis, keys, cfg.tier_names, dict(state.fleet.roles))
+            except (RedisError, OSError) as exc:
+                log.warning("metrics: cannot read the queues: %s", exc)
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    add_timeline_route(app, cfg, keys, lambda: state.redis)
+    add_dashboard_routes(app, cfg, keys, lambda: (state.redis, state.fleet))
 
     return app
 

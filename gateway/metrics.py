@@ -1,18 +1,46 @@
-"""Prometheus metrics of one gateway: requests by outcome, latency histograms by tier.
+"""Prometheus metrics of one gateway: requests by outcome, latency histograms by tier, the queues.
 
 Each app gets its own registry so several gateways (tests) can live in one
 process; `/metrics` renders it. Latencies are the gateway's own measurements
-(arrival to first token, mean time per output token after the first, arrival
-to the final frame), the numbers SLO attainment is judged by.
+(arrival to first token, mean time per output token after the first, gaps
+between output frames, arrival to the final frame), the numbers SLO
+attainment is judged by. Every request with a tier ends as `slo_met` or
+`slo_missed` (a refused, failed or abandoned request missed), so
+met / (met + missed) is the attainment `skyline bench` reports.
+
+The `skyline_queue_*` and `skyline_fleet_*` gauges describe the whole fleet,
+read from Redis at scrape time (one pipelined round trip): with several
+gateways each exports the same values (aggregate with max, not sum).
+Workers export their own metrics on their own port (workers/metrics.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from skyline.keys import Keys
+from skyline.status import read_streams
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class TimelineErrors(Collector):
+    """`skyline_timeline_write_errors_total`: events lost because Redis did not take them
+    (read from the process's recorder at scrape time; recording never fails a request)."""
+
+    def __init__(self, dropped: Callable[[], int]):
+        self.dropped = dropped
+
+    def collect(self):
+        c = CounterMetricFamily("skyline_timeline_write_errors", "Timeline events and SLO records lost to Redis errors")
+        c.add_metric([], self.dropped())
+        yield c
 
 
 class GatewayMetrics:
@@ -45,6 +73,44 @@ class GatewayMetrics:
             registry=self.registry)
         self.in_flight = Gauge(
             "skyline_gateway_in_flight", "Requests waiting for or streaming output", registry=self.registry)
+        self.itl = Histogram(
+            "skyline_gateway_itl_seconds", "Gaps between consecutive output frames of a request",
+            ("tier",), buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.slo_missed = Counter(
+            "skyline_gateway_slo_missed",
+            "Requests that missed their TTFT or TPOT target, or were refused, failed or abandoned",
+            ("tier",), registry=self.registry)
+        self.queue_waiting = Gauge(
+            "skyline_queue_waiting", "Entries of a work stream no worker has claimed yet (the queue depth)",
+            ("stage", "tier"), registry=self.registry)
+        self.queue_length = Gauge(
+            "skyline_queue_length", "Entries in a work stream, acked ones included until MAXLEN trims them",
+            ("stage", "tier"), registry=self.registry)
+        self.queue_pending = Gauge(
+            "skyline_queue_pending", "Entries claimed by a worker and not yet acknowledged",
+            ("stage", "tier"), registry=self.registry)
+        self.queue_backlog_tokens = Gauge(
+            "skyline_queue_backlog_tokens", "Prompt tokens admitted to a stage and not yet prefilled",
+            ("stage", "tier"), registry=self.registry)
+        self.dead_letters = Gauge(
+            "skyline_dead_letter_length", "Entries in the dead-letter stream", registry=self.registry)
+        self.workers = Gauge(
+            "skyline_fleet_workers", "Live workers by role (heartbeats)", ("role",), registry=self.registry)
+
+    def watch_timeline(self, dropped: Callable[[], int]) -> None:
+        """Export the recorder's lost-write count (call once, when it exists)."""
+        self.registry.register(TimelineErrors(dropped))
+
+    async def refresh_fleet(self, r, keys: Keys, tiers: tuple[str, ...], roles: dict[str, int]) -> None:
+        """Set the queue and fleet gauges from Redis (called at scrape time)."""
+        for s in await read_streams(r, keys, tiers):
+            self.queue_waiting.labels(s.stage, s.tier).set(s.waiting)
+            self.queue_length.labels(s.stage, s.tier).set(s.length)
+            self.queue_pending.labels(s.stage, s.tier).set(s.pending)
+            self.queue_backlog_tokens.labels(s.stage, s.tier).set(s.backlog_tokens)
+        self.dead_letters.set(await r.xlen(keys.dead))
+        for role in ("prefill", "decode"):
+            self.workers.labels(role).set(roles.get(role, 0))
 
     def finished(self, tier: str, ttft_s: float | None, tpot_s: float | None, e2e_s: float, slo_met: bool) -> None:
         if ttft_s is not None:
@@ -52,8 +118,10 @@ class GatewayMetrics:
         if tpot_s is not None:
             self.tpot.labels(tier).observe(tpot_s)
         self.e2e.labels(tier).observe(e2e_s)
-        if slo_met:
-            self.slo_met.labels(tier).inc()
+
+    def verdict(self, tier: str, slo_met: bool) -> None:
+        """Once per request with a tier: met, or missed (late, refused, failed, abandoned)."""
+        (self.slo_met if slo_met else self.slo_missed).labels(tier).inc()
 
     def count(self, tier: str, route: str, status: int) -> None:
         self.requests.labels(tier, route, str(status)).inc()

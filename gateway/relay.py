@@ -28,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import ssl
 import time
-from urllib.parse import unquote, urlparse
 
 from skyline import messages
+from skyline.config import RedisConfig
 from skyline.keys import Keys
+from skyline.redisconn import Endpoint, describe, pubsub_endpoints
 
 log = logging.getLogger("skyline.gateway.relay")
 
@@ -106,14 +106,16 @@ class Relay:
 
     def __init__(
         self,
-        url: str,
+        redis: RedisConfig | str,
         keys: Keys,
         *,
         queue_size: int = 4096,
         confirm_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
     ):
-        self.url = url
+        # A Redis URL or the whole RedisConfig (credentials, TLS files, cluster or Sentinel).
+        self.redis_cfg = redis if isinstance(redis, RedisConfig) else RedisConfig(url=redis)
+        self.url = describe(self.redis_cfg)  # for messages: no password
         self.keys = keys
         self.queue_size = queue_size
         self.confirm_timeout_s = confirm_timeout_s
@@ -230,18 +232,29 @@ class Relay:
             backoff = min(backoff * 2, 2.0)
 
     async def _connect(self) -> asyncio.StreamReader:
-        u = urlparse(self.url)
-        if u.scheme == "unix":
-            reader, writer = await asyncio.open_unix_connection(u.path)
+        """Connect to the first endpoint that answers: the server, the master Sentinel reports
+        now, or in a cluster the node serving the `{decode}` slot (decode workers publish
+        token frames from scripts there, and PUBLISH's receiver count, by which they notice
+        a departed client, only counts that node's subscribers), else any other node."""
+        last: Exception = ConnectionError(f"no Redis endpoint for {self.url}")
+        for ep in await pubsub_endpoints(self.redis_cfg, near_key=self.keys.stream("decode", "relay")):
+            try:
+                return await self._open(ep)
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                log.warning("token relay: cannot use %s: %s", ep, exc)
+                last = exc
+        raise last
+
+    async def _open(self, ep: Endpoint) -> asyncio.StreamReader:
+        if ep.unix_path:
+            reader, writer = await asyncio.open_unix_connection(ep.unix_path)
         else:
-            tls = ssl.create_default_context() if u.scheme == "rediss" else None
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(u.hostname or "127.0.0.1", u.port or 6379, ssl=tls), timeout=5.0)
+                asyncio.open_connection(ep.host, ep.port, ssl=ep.tls), timeout=5.0)
         hello: list[tuple[bytes, ...]] = []
-        if u.password:
-            user = unquote(u.username) if u.username else None
-            hello.append((b"AUTH", user.encode(), unquote(u.password).encode()) if user
-                         else (b"AUTH", unquote(u.password).encode()))
+        if ep.password:
+            hello.append((b"AUTH", ep.username.encode(), ep.password.encode()) if ep.username
+                         else (b"AUTH", ep.password.encode()))
         hello.append((b"CLIENT", b"SETNAME", self.client_name.encode()))
         for cmd in hello:
             writer.write(_pack(cmd))

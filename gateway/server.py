@@ -25,5 +25,6 @@ def serve(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_model
         http="httptools",
         access_log=False,
         log_level="info",
+        log_config=None,  # uvicorn's own lines go through Skyline's handler (skyline/logs.py: text or json)
         timeout_graceful_shutdown=10,
     )

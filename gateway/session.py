@@ -56,6 +56,12 @@ class Session:
         self.finished = False  # a terminal frame from the fleet arrived: nothing left to cancel
         self.cancelled = False
         self.closed = False
+        self.cancel_reason: str | None = None
+        self.t_enqueue_ms = 0  # wall clock just before the XADD (the timeline's `enqueued`)
+        self.failure: messages.Failed | None = None  # the error frame, when the request failed
+        self.t_last_token: float | None = None
+        self.itl_s: list[float] = []  # gaps between frames that carried tokens
+        self.on_close: list = []  # callables (session, status, fin), e.g. the timeline and SLO record
         metrics.in_flight.inc()
 
     # ---- frames ---------------------------------------------------------------------
@@ -80,12 +86,17 @@ class Session:
             if isinstance(f, messages.TokenDelta):
                 if f.token_ids and self.t_first_token is None:
                     self.t_first_token = now
+                if f.token_ids and self.t_last_token is not None and self.t_last_token != now:
+                    self.itl_s.append(now - self.t_last_token)
+                if f.token_ids:
+                    self.t_last_token = now
                 self.tokens += len(f.token_ids)
             elif isinstance(f, messages.Finished):
                 self.t_end = now
                 self.finished = True
             elif isinstance(f, messages.Failed):
                 self.t_end = now
+                self.failure = f
                 # A failure the gateway made up (lost pub/sub, slow client) is news to the workers.
                 self.finished = not self.sub.aborted
         return batch
@@ -145,6 +156,8 @@ class Session:
             "predicted_ttft_ms": None if self.prep.predicted_ttft_ms is None else round(self.prep.predicted_ttft_ms, 1),
             "prefill_worker": fin.prefill_worker,
             "decode_worker": fin.decode_worker,
+            "decode_attempts": fin.attempts,  # > 1: the stream migrated to another decode worker
+            "resumed_at_token": fin.resumed_at_token,
             "kv_transfer": fin.kv_transfer,
             "timings": fin.timings,
         }
@@ -162,6 +175,7 @@ class Session:
         if self.cancelled or self.finished:
             return
         self.cancelled = True
+        self.cancel_reason = reason
         task = asyncio.get_running_loop().create_task(self._publish_cancel(reason))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -193,3 +207,5 @@ class Session:
             m.finished(self.prep.slo.tier, ttft, tpot, end - self.prep.t_arrival, met)
             if ttft is not None and self.prep.predicted_ttft_ms is not None:
                 m.prediction_error.labels(self.prep.slo.tier).observe(ttft - self.prep.predicted_ttft_ms / 1000)
+        for hook in self.on_close:
+            hook(self, status, fin)

@@ -10,21 +10,26 @@ class Tier:
     """A class of service: latency targets and the engine priority it maps to.
 
     `ttft_ms`: time-to-first-token target; `tpot_ms`: time-per-output-token
-    target; `priority`: vLLM's request priority (lower is scheduled first).
+    target; `priority`: vLLM's request priority (lower is scheduled first);
+    `drop_late_ms`: a request still queued this long past its deadline is
+    failed (503, `deadline_exceeded`) rather than served late, freeing the
+    capacity for requests that can still make it; -1 = always serve.
     """
 
     name: str
     ttft_ms: int
     tpot_ms: int
     priority: int
+    drop_late_ms: int = -1
 
 
 # Defaults sized for the 2-core CPU reference machine and the default 135M
 # model (unloaded: TTFT ~0.1-0.4 s, TPOT ~75-150 ms). GPU fleets tighten them
 # in config.
 DEFAULT_TIERS: tuple[Tier, ...] = (
-    Tier("interactive", ttft_ms=1_000, tpot_ms=250, priority=0),
-    Tier("standard", ttft_ms=5_000, tpot_ms=500, priority=1),
+    # A chat user who has waited 10 s for a first token has left; a batch job has not.
+    Tier("interactive", ttft_ms=1_000, tpot_ms=250, priority=0, drop_late_ms=9_000),
+    Tier("standard", ttft_ms=5_000, tpot_ms=500, priority=1, drop_late_ms=55_000),
     Tier("batch", ttft_ms=60_000, tpot_ms=2_000, priority=2),
 )
 

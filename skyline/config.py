@@ -18,8 +18,19 @@ from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
 
 @dataclass(frozen=True)
 class RedisConfig:
+    # redis:// or rediss:// (TLS) or unix://; redis+cluster://h1:p1,h2:p2 for Redis Cluster;
+    # redis+sentinel://s1:26379,s2:26379/<master name>/<db> for Sentinel (skyline/redisconn.py).
     url: str = "redis://127.0.0.1:6399/0"  # the local server `skyline up` starts
     stream_maxlen: int = 100_000  # approximate cap per work stream (XADD MAXLEN ~)
+    username: str = ""  # ACL user; "" = the URL's (or none)
+    password: str = ""  # "" = the URL's; prefer the SKYLINE_REDIS_PASSWORD environment variable
+    tls_ca_cert: str = ""  # CA bundle that signed the server certificate (rediss://); "" = system CAs
+    tls_cert: str = ""  # client certificate, for servers that require mutual TLS
+    tls_key: str = ""  # the client certificate's private key
+    tls_verify: bool = True  # check the server certificate and host name; off only for throwaway test setups
+    # Lifetime of a request's delivery state (hand-off flag, attempt, output log);
+    # longer than any request may live (gateway.request_timeout_s).
+    run_ttl_s: int = 900
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,7 @@ class EngineConfig:
     # measured here a 2-core colocated engine with the connector loaded stalled
     # (requests made no progress for 40 s) where the same engine without it did not.
     kv_transfer: bool = True
-    nixl_host: str = "127.0.0.1"  # address other hosts use to pull KV from this engine
+    nixl_host: str = ""  # address other hosts use to pull KV from this engine; "" = worker.advertise_host
     nixl_port: int | None = None  # NIXL side-channel port, distinct per engine on one host
     # How long a prefill engine keeps KV blocks for a handle nobody pulled. A decode
     # worker re-prefills locally when a handle is older than 80% of this, because
@@ -74,6 +85,20 @@ class WorkerConfig:
     # A worker's registry entry expires this long after its last heartbeat. Generous
     # on purpose: a worker on a saturated host may miss a few beats while alive.
     heartbeat_ttl_s: float = 10.0
+    # Address other hosts use to reach this worker: its engine's NIXL side channel (unless
+    # engine.nixl_host is set) and its HTTP endpoint. "" = 127.0.0.1 when Redis is on this
+    # host, else this host's address on the route to Redis (skyline/advertise.py).
+    advertise_host: str = ""
+    # The worker's HTTP endpoint (/metrics, /ready, /health) on advertise_host; 0 = a free port.
+    metrics_port: int = 0
+    # Reliability (skyline/reaper.py): a pending entry whose consumer has not
+    # heartbeated for `reclaim_after_s` is taken over by a live worker of the
+    # stage (a decode takeover resumes the stream: migration). Several missed
+    # beats, so a busy but alive worker is not robbed.
+    reclaim_after_s: float = 5.0
+    reclaim_interval_s: float = 1.0  # how often each worker looks for abandoned entries
+    max_deliveries: int = 3  # a request delivered this often without finishing is dead-lettered (poison)
+    drain_timeout_s: float = 60.0  # SIGTERM: finish held requests for this long, then hand them back
 
 
 @dataclass(frozen=True)
@@ -97,11 +122,60 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Per-request timelines, the rolling SLO record, logs (README "Observability")."""
+
+    timeline: bool = True  # record each request's events in Redis (`skyline trace`, GET /v1/requests/{id}/timeline)
+    timeline_ttl_s: int = 3600  # how long a request's timeline is kept after its last event
+    timeline_max_events: int = 256  # events kept per request (the newest); a normal request has ~12
+    slo_window_minutes: int = 60  # per-minute SLO counters kept for `skyline status` and the dashboard
+    recent_requests: int = 2000  # finished requests kept (latency, SLO verdict) for percentiles and the slowest list
+    log_format: str = "text"  # "text" or "json" (one JSON object per line)
+    log_events: bool = True  # one log line per request event (arrived, claimed, first_token, ...)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch jobs (skyline/batch/, README "Batch jobs"): files, limits, the runner and its pacing."""
+
+    tier: str = "batch"  # SLO tier the runner sends batch requests in
+    # Where the runner sends requests (the gateway's OpenAI API); "" = http://<gateway.host>:<gateway.port>.
+    gateway_url: str = ""
+    # Files live in Redis (gateway and runners may be on different hosts; Redis is what they
+    # share), so both limits bound the memory one upload can take.
+    max_file_bytes: int = 50_000_000
+    max_lines: int = 50_000
+    file_ttl_s: int = 604_800  # files and finished batches are kept this long (7 days); 0 = until deleted
+    # Pacing (scheduler/batch_pacing.py): concurrency of one batch, AIMD on the stricter tiers' backlog.
+    min_concurrency: int = 1
+    max_concurrency: int = 32
+    start_concurrency: int = 4
+    backoff_tokens: int = 2048  # interactive + standard prompt tokens queued above which the batch backs off
+    fill_tokens: int = 256  # ... at or below which it fills in
+    max_batch_backlog_tokens: int = 8192  # batch-tier backlog beyond which more in flight would only queue
+    # Latency of interactive/standard answers over their tier's target (from `skyline:recent`): at or above
+    # backoff_slo_pressure the batch backs off (decode contention shows here first); at or below fill it may grow.
+    backoff_slo_pressure: float = 0.8
+    fill_slo_pressure: float = 0.5
+    pacing_interval_s: float = 0.5  # how often the runner samples the fleet
+    max_attempts: int = 5  # a line refused this often for load (429/503/504, gateway down) becomes an error line
+    # Durability: a batch is an RQ job with Retry(max=job_retries). A runner heartbeats its job every
+    # heartbeat_s; one silent for lease_s (killed, host lost) is abandoned, and an idle runner's RQ
+    # maintenance (every maintenance_interval_s) re-enqueues the job, which resumes where it stopped.
+    job_retries: int = 3
+    heartbeat_s: int = 5
+    lease_s: int = 30
+    maintenance_interval_s: int = 10
+
+
+@dataclass(frozen=True)
 class SkylineConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     tiers: tuple[Tier, ...] = DEFAULT_TIERS
     default_tier: str = "standard"
     key_prefix: str = "skyline"
@@ -131,7 +205,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     cfg = SkylineConfig()
-    sections = {"redis": RedisConfig, "engine": EngineConfig, "worker": WorkerConfig, "gateway": GatewayConfig}
+    sections = {"redis": RedisConfig, "engine": EngineConfig, "worker": WorkerConfig, "gateway": GatewayConfig,
+                "observability": ObservabilityConfig, "batch": BatchConfig}
     changes: dict[str, Any] = {}
     for name, cls in sections.items():
         if name in data:

@@ -90,6 +90,134 @@ class Keys:
         """STREAM `skyline:dead` — requests that could not be processed (poison / failed), for humans."""
         return f"{self.prefix}:dead"
 
+    def run(self, request_id: str) -> str:
+        """HASH `skyline:{decode}:run:<id>` — delivery state of one request (skyline/runs.py).
+
+        `handoff` (prefill worker that handed it to decode: set once, so a
+        reclaimed prefill cannot hand it off twice), `attempt` (bumped by every
+        decode claim; output frames of an older attempt are fenced out),
+        `owner`, `frames` (published so far), `done`. Written by prefill and
+        decode workers through Lua scripts; TTL `redis.run_ttl_s`.
+        """
+        return f"{self.prefix}:{{decode}}:run:{request_id}"
+
+    def output(self, request_id: str) -> str:
+        """LIST `skyline:{decode}:out:<id>` — token ids already sent to the client.
+
+        Appended atomically with each frame's PUBLISH; read by a decode worker
+        that takes over a request mid-stream (migration). Deleted by the
+        final frame; TTL `redis.run_ttl_s`.
+        """
+        return f"{self.prefix}:{{decode}}:out:{request_id}"
+
+    def timeline(self, request_id: str) -> str:
+        """LIST `skyline:timeline:<id>` — what happened to one request, one JSON event per entry.
+
+        `{"event", "t_ms", "who", "fields"}` (skyline/timeline.py), RPUSHed by
+        whichever process saw the event (gateway, prefill or decode worker);
+        read by `GET /v1/requests/{id}/timeline` and `skyline trace`. The
+        newest `observability.timeline_max_events` are kept; TTL
+        `observability.timeline_ttl_s`, renewed by every event.
+        """
+        return f"{self.prefix}:timeline:{request_id}"
+
+    def requester(self, request_id: str) -> str:
+        """STRING `skyline:requester:<id>` — SHA-256 of the API key that sent the request.
+
+        Written by the gateway (only when API keys are on), read by the
+        timeline route so a client sees only its own requests. Same TTL as
+        the timeline.
+        """
+        return f"{self.prefix}:requester:{request_id}"
+
+    def slo_minute(self, minute: int) -> str:
+        """HASH `skyline:slo:<unix minute>` — requests finished in that minute, by tier and verdict.
+
+        Fields `<tier>:done` (answered), `<tier>:met` (TTFT and TPOT targets
+        met), `<tier>:ttft_met`, `<tier>:failed` (error or refused answer).
+        HINCRBY'd by every gateway; read by `skyline status` and /dashboard.
+        TTL `observability.slo_window_minutes`.
+        """
+        return f"{self.prefix}:slo:{minute}"
+
+    @property
+    def recent(self) -> str:
+        """LIST `skyline:recent` — the latest finished requests, newest first, one JSON object each.
+
+        `{"id", "tier", "t_ms", "status", "ttft_ms", "tpot_ms", "e2e_ms", "slo_met", ...}`
+        LPUSHed by every gateway, capped at `observability.recent_requests`;
+        read by /dashboard (percentiles, slowest requests).
+        """
+        return f"{self.prefix}:recent"
+
+    # ---- batch jobs (skyline/batch/). Each file and each batch carries its own id as a
+    # hash tag, so the scripts that touch a batch's hash, results and claims run on one slot.
+
+    def file(self, file_id: str) -> str:
+        """HASH `skyline:file:{<id>}` — an uploaded or produced file's metadata (OpenAI file object).
+
+        `id`, `filename`, `purpose` (batch, batch_output), `bytes`,
+        `created_at`, `expires_at`. Written by the gateway (upload) and the
+        batch runner (output and error files); read by `GET /v1/files/{id}`.
+        TTL `batch.file_ttl_s`.
+        """
+        return f"{self.prefix}:file:{{{file_id}}}"
+
+    def file_content(self, file_id: str) -> str:
+        """STRING `skyline:file:{<id>}:content` — the file's bytes (JSONL), at most `batch.max_file_bytes`.
+
+        Same writers and lifetime as the metadata; read by the batch runner
+        (input) and `GET /v1/files/{id}/content`.
+        """
+        return f"{self.prefix}:file:{{{file_id}}}:content"
+
+    def batch(self, batch_id: str) -> str:
+        """HASH `skyline:batch:{<id>}` — one batch: status, timestamps, file ids, request counts, errors.
+
+        Created by the gateway (`POST /v1/batches`); status moves through
+        validating -> in_progress -> finalizing -> completed (or failed,
+        cancelling -> cancelled, expired) by Lua transitions in the gateway
+        and the batch runner; `completed`/`failed` are counted with each
+        recorded result. TTL `batch.file_ttl_s` once finished.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    @property
+    def batches(self) -> str:
+        """ZSET `skyline:batches` — batch id -> created_at (Unix s), for `GET /v1/batches`.
+
+        Written by the gateway at creation; members whose hash expired are
+        dropped by the listing.
+        """
+        return f"{self.prefix}:batches"
+
+    def batch_results(self, batch_id: str) -> str:
+        """HASH `skyline:batch:{<id>}:results` — input line number -> its output line (JSON).
+
+        The batch's durable progress: HSETNX'd once per line (a result or an
+        error), by the gateway as soon as a request finishes (so a runner
+        killed mid-request loses nothing) or by the runner (bad lines, given
+        up, cancelled). A restarted runner skips every line present here.
+        Read at finalisation to write the output and error files. Same TTL as
+        the batch.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}:results"
+
+    def batch_claim(self, batch_id: str, line: int) -> str:
+        """STRING `skyline:batch:{<id>}:claim:<line>` — a gateway is running this line now.
+
+        SET NX by the gateway before it runs a batch line, deleted when the
+        result is recorded; its TTL (`gateway.request_timeout_s` + 30 s)
+        frees the line if that gateway dies. A runner that finds the line
+        claimed waits for its result instead of sending it twice.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}:claim:{line}"
+
+    def batch_queue(self) -> str:
+        """The RQ queue of batch jobs, `<prefix>-batches`; RQ owns its keys (`rq:queue:skyline-batches`,
+        `rq:wip:...`, `rq:job:<batch id>`...): `rq info` and the RQ registries show batches there."""
+        return f"{self.prefix}-batches"
+
     def all_streams(self, tiers: tuple[str, ...]) -> list[tuple[str, str, str]]:
         """(stage, tier, key) for every work stream, in stage then tier order."""
         return [(stage, tier, self.stream(stage, tier)) for stage in STAGES for tier in tiers]

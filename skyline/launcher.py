@@ -3,7 +3,8 @@
 Starts (unless --redis-url names an existing server) a local Redis bound to
 127.0.0.1, then the gateway and the workers, each its own process running
 `python -m skyline.cli ...` (the same commands a user runs by hand to scale
-out). Their output is relayed with a name prefix. It prints the URLs and a
+out), and one batch runner (`skyline batch-runner`, an RQ worker for batch
+jobs). Their output is relayed with a name prefix. It prints the URLs and a
 ready-to-paste request once the gateway and every worker are up. Ctrl-C (or
 SIGTERM) stops everything it started, workers first so they can drain.
 """
@@ -29,10 +30,17 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int) -> list[tuple[str, list[str]]]:
+# Worker i of `skyline up` (prefill workers first) serves /metrics on this port + i;
+# deploy/prometheus.yml scrapes exactly these ports.
+METRICS_PORT_BASE = 9100
+
+
+def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
+                 metrics_port_base: int = METRICS_PORT_BASE) -> list[tuple[str, list[str]]]:
     """(name, extra CLI args) per worker. Real engines are pinned round-robin to
     cores (prefill first), so a prefill engine and a decode engine do not fight
-    for the same core; a lone colocated decode worker gets every core."""
+    for the same core; a lone colocated decode worker gets every core. Each
+    worker gets its own metrics port (`metrics_port_base` + i; 0 = free ports)."""
     if cfg.gateway.mode == "colocated":
         n_prefill = 0
     cores = _cores()
@@ -45,6 +53,8 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int) -> list[tupl
             args += ["--cpu-bind", bind]
             # A colocated fleet never moves KV: no NIXL connector at all.
             args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
+        if metrics_port_base:
+            args += ["--metrics-port", str(metrics_port_base + i)]
         name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
         plan.append((name, args))
     return plan
@@ -76,6 +86,7 @@ def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
         out += ["--served-model-name", cfg.engine.served_model_name]
     if args.config:
         out += ["--config", args.config]
+    out += ["--log-format", cfg.observability.log_format]
     return out
 
 
@@ -125,15 +136,20 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         _spawn("gateway", gw, env, procs)
-        plan = plan_workers(cfg, args.prefill, args.decode)
+        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)
         for name, extra in plan:
             _spawn(name, ["worker", extra[0], *common, *extra[1:]], env, procs)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        # One batch runner (an RQ worker) runs batch jobs through this gateway (README "Batch jobs").
+        runner = ["batch-runner", *common, "--gateway-url", url]
+        for key in cfg.gateway.api_keys[:1]:
+            runner += ["--api-key", key]
+        _spawn("batch", runner, env, procs)
         want: dict[str, int] = {}
         for _, extra in plan:
             want[extra[0]] = want.get(extra[0], 0) + 1
         _wait_ready(url, procs, want, timeout_s=600)
-        _banner(cfg, url, time.monotonic() - t0)
+        _banner(cfg, url, time.monotonic() - t0, plan)
         while all(p.poll() is None for _, p in procs):
             time.sleep(0.5)
         dead = [f"{n} (exit {p.returncode})" for n, p in procs if p.poll() is not None]
@@ -163,7 +179,7 @@ def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
             p.wait()
 
 
-def _banner(cfg: SkylineConfig, url: str, took_s: float) -> None:
+def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, list[str]]]) -> None:
     from skyline.cli import model_identity
 
     _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
@@ -174,6 +190,10 @@ Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
   gateway   {url}   (OpenAI API: {url}/v1)
   redis     {cfg.redis.url}   (redis-cli -u {cfg.redis.url} ...)
   status    skyline status --redis-url {cfg.redis.url}
+  dashboard {url}/dashboard
+  metrics   {url}/metrics{_worker_metrics(plan)}
+  trace     skyline trace <request id> --redis-url {cfg.redis.url}
+  batches   skyline batch submit FILE.jsonl --gateway-url {url}   (one batch runner is running; rq info -u {cfg.redis.url})
 
 Try it:
   curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
@@ -183,3 +203,12 @@ Ctrl-C stops everything.
 """,
         flush=True,
     )
+
+
+def _worker_metrics(plan: list[tuple[str, list[str]]]) -> str:
+    """The workers' /metrics URLs, one per line under the gateway's."""
+    lines = []
+    for name, args in plan:
+        if "--metrics-port" in args:
+            lines.append(f"\n            http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics  ({name})")
+    return "".join(lines)

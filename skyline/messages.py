@@ -113,6 +113,10 @@ class Finished:
     kv_transfer: dict[str, Any] = field(default_factory=dict)
     decode_worker: str = ""
     prefill_worker: str = ""
+    # Decode attempts: > 1 when the request migrated (its decode worker died or
+    # stalled mid-stream and another one resumed the stream).
+    attempts: int = 1
+    resumed_at_token: int = 0  # output tokens already streamed when the last attempt took over
 
 
 @dataclass

@@ -46,37 +46,108 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(port: int, data_dir: Path, persistence: str = "none", log_file: Path | None = None) -> subprocess.Popen:
-    """Start redis-server on 127.0.0.1:`port` and wait until it answers PING.
-
-    `persistence`: "none" (fastest; a restart loses queued work, which the
-    fleet then reports as failed requests) or "aof" (appendfsync everysec: a
-    restart keeps queued work, losing at most ~1 s of writes).
-    """
-    data_dir.mkdir(parents=True, exist_ok=True)
+def redis_server_args(port: int, data_dir: Path, persistence: str = "none", bind: str = "127.0.0.1",
+                      extra: tuple[str, ...] = ()) -> list[str]:
+    """The redis-server command line `start_redis` runs (also used to start one inside a
+    network namespace in the multi-host test)."""
     args = [
-        redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+        redis_server_binary(), "--bind", bind, "--port", str(port), "--dir", str(data_dir),
         "--save", "", "--protected-mode", "yes", "--daemonize", "no",
     ]
     if persistence == "aof":
         args += ["--appendonly", "yes", "--appendfsync", "everysec"]
     else:
         args += ["--appendonly", "no"]
+    return args + list(extra)
+
+
+def start_redis(port: int, data_dir: Path, persistence: str = "none", log_file: Path | None = None,
+                extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start redis-server on 127.0.0.1:`port` and wait until it answers PING.
+
+    `persistence`: "none" (fastest; a restart loses queued work, which the
+    fleet then reports as failed requests) or "aof" (appendfsync everysec: a
+    restart keeps queued work, losing at most ~1 s of writes).
+    `extra`: more redis-server arguments (e.g. cluster mode).
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(redis_server_args(port, data_dir, persistence, extra=extra),
+                            stdout=out, stderr=subprocess.STDOUT)
     wait_for_redis(port, proc)
     return proc
 
 
-def wait_for_redis(port: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0) -> None:
+def start_redis_cluster(ports: list[int], data_dir: Path, timeout_s: float = 30.0) -> list[subprocess.Popen]:
+    """A Redis Cluster of len(ports) primaries (no replicas) on 127.0.0.1, slots spread evenly.
+
+    For tests and trying cluster mode on one machine; production clusters are
+    run by their operators. Returns once every node reports cluster_state:ok.
+    """
+    procs: list[subprocess.Popen] = []
+    try:
+        for port in ports:
+            node_dir = data_dir / f"node-{port}"
+            procs.append(start_redis(port, node_dir, log_file=node_dir.parent / f"node-{port}.log", extra=(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "5000")))
+        cli = redis_cli_binary()
+        if cli is None:
+            raise FileNotFoundError("redis-cli is needed to create a cluster")
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not all(_cluster_ok(cli, p) for p in ports):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Redis Cluster on ports {ports} did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        for proc in procs:
+            proc.terminate()
+        raise
+    return procs
+
+
+def free_cluster_ports(n: int) -> list[int]:
+    """`n` ports usable by cluster nodes: each node also listens on port + 10000 (the cluster
+    bus), so both must be free and the port at most 55535 (ephemeral ports often are not)."""
+    import random
+
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(20_000, 45_000)
+        if port not in ports and all(_port_free(p) for p in (port, port + 10_000)):
+            ports.append(port)
+    return ports
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_ok(cli: str, port: int) -> bool:
+    out = subprocess.run([cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=5,
+                         check=False).stdout
+    return "cluster_state:ok" in out
+
+
+def wait_for_redis(port: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0,
+                   host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {proc.returncode} (port {port} in use?)")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            with socket.create_connection((host, port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                reply = s.recv(64)
+                # A server with a password answers NOAUTH: it is up all the same.
+                if reply.startswith((b"+PONG", b"-NOAUTH")):
                     return
         except OSError:
             pass

@@ -64,24 +64,31 @@ async def enqueue(
     fields make `XRANGE` readable for an operator. `backlog_reserved`: admission
     control already added the prompt to the backlog (see `reserve_backlog`)."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
-    # Work that still needs its prompt computed (not decode work carrying a KV handle).
-    needs_prefill = not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
-    prefill_tokens = len(req.prompt_token_ids) if needs_prefill else 0
-    fields = {
-        "id": req.request_id,
-        "tier": req.tier,
-        "deadline_ms": req.deadline_ms,
-        "prompt_tokens": len(req.prompt_token_ids),
-        "prefill_tokens": prefill_tokens,
-        "max_tokens": req.sampling.max_tokens,
-        "msg": messages.encode(msg),
-    }
+    fields = entry_fields(msg)
+    prefill_tokens = fields["prefill_tokens"]
     pipe = r.pipeline(transaction=False)
     pipe.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
     if prefill_tokens and not backlog_reserved:
         pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
     entry_id = (await pipe.execute())[0]
     return _s(entry_id)
+
+
+def entry_fields(msg: messages.GenerateRequest | messages.DecodeWork) -> dict:
+    """A stream entry: the msgpack body plus a few plain fields that make `XRANGE`
+    readable for an operator and let workers peek at heads without decoding."""
+    req = msg.request if isinstance(msg, messages.DecodeWork) else msg
+    # Work that still needs its prompt computed (not decode work carrying a KV handle).
+    needs_prefill = not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
+    return {
+        "id": req.request_id,
+        "tier": req.tier,
+        "deadline_ms": req.deadline_ms,
+        "prompt_tokens": len(req.prompt_token_ids),
+        "prefill_tokens": len(req.prompt_token_ids) if needs_prefill else 0,
+        "max_tokens": req.sampling.max_tokens,
+        "msg": messages.encode(msg),
+    }
 
 
 async def queued_tokens(r: aioredis.Redis, keys: Keys, stage: str) -> dict[str, int]:
@@ -141,7 +148,9 @@ class TierQueues:
         for key in self.stream_of.values():
             pipe.xinfo_groups(key)
         out: dict[str, str] = {}
-        for key, groups in zip(self.stream_of.values(), await pipe.execute()):
+        for key, groups in zip(self.stream_of.values(), await pipe.execute(raise_on_error=False)):
+            if isinstance(groups, ResponseError):  # "no such key": Redis restarted without persistence
+                groups = []
             last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
             if last is None:
                 raise ResponseError(f"NOGROUP consumer group {self.group} missing on {key}")
@@ -174,14 +183,16 @@ class TierQueues:
                 return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]), prefill_tokens)
         return None  # another worker took it between peek and claim
 
-    async def ack(self, claimed: Claimed) -> None:
+    async def ack(self, claimed: Claimed) -> bool:
         """Done with an entry (handed on, finished, failed or dropped): XACK it and
-        take its prefill work off the backlog."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xack(claimed.stream, self.group, claimed.entry_id)
+        take its prefill work off the backlog. Only the ack that removed the entry
+        from the pending list adjusts the backlog: after a takeover both the old
+        and the new owner may ack the same entry. False if it was acked already."""
+        if not await self.r.xack(claimed.stream, self.group, claimed.entry_id):
+            return False
         if claimed.prefill_tokens:
-            pipe.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -claimed.prefill_tokens)
-        await pipe.execute()
+            await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -claimed.prefill_tokens)
+        return True
 
 
 def _s(value: bytes | str) -> str:

@@ -35,10 +35,14 @@ class Fleet:
     def _common(self) -> list[str]:
         return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--engine", self.engine, *self.extra]
 
+    def wrap(self, name: str) -> list[str]:
+        """Command prefix for process `name` (the multi-host test runs each in a network namespace)."""
+        return []
+
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "skyline.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+            [*self.wrap(name), sys.executable, "-m", "skyline.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), start_new_session=True,
         )
         self.procs[name] = proc

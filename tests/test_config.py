@@ -37,7 +37,7 @@ def test_sample_config_in_deploy_documents_every_option():
     cfg = load_config(path)
     assert cfg == load_config()  # the sample spells out the defaults
     data = tomllib.loads(path.read_text())
-    for section in ("redis", "engine", "worker", "gateway"):
+    for section in ("redis", "engine", "worker", "gateway", "observability", "batch"):
         documented = set(data[section])
         expected = {f.name for f in dataclasses.fields(getattr(cfg, section))}
         # Optional (None-default) fields cannot be written in TOML; they are documented as comments.

@@ -23,7 +23,7 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
     gw_port, redis_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", "--prefill", "2", "--decode", "2",
-         "--port", str(gw_port), "--redis-port", str(redis_port)],
+         "--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, SKYLINE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
     )

@@ -145,4 +145,4 @@ async def test_a_handle_older_than_the_kv_lease_is_prefilled_locally(fleet):
                 break
     await pubsub.aclose()
     assert final.completion_tokens == 8
-    assert final.kv_transfer["handle_expired"] is True and final.kv_transfer["remote_prefill"] is False
+    assert final.kv_transfer["local_prefill"] == "handle_expired" and final.kv_transfer["remote_prefill"] is False

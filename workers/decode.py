@@ -1,9 +1,17 @@
 """Decode role: pull the prompt's KV (or prefill locally), stream tokens to the client.
 
-Frames go to the request's pub/sub channel. PUBLISH answers how many
+Frames go to the request's pub/sub channel through the fenced publish script
+(skyline/runs.py), which also logs the tokens sent. PUBLISH answers how many
 subscribers got the frame; 0 means the gateway no longer listens (the client
 left, or the gateway died), so the engine request is aborted at once instead
 of generating tokens for nobody. The entry is acked after the final frame.
+
+Migration: claiming a request's decode work bumps its attempt number. When an
+earlier attempt already streamed tokens (its worker died or stalled and the
+reaper handed the entry to this worker), this attempt prefills prompt + those
+tokens locally and generates the rest, numbering frames and token positions
+on from where the client is: the stream continues with no gap and no
+duplicate. The earlier worker, if it is still alive, is fenced out.
 """
 
 from __future__ import annotations
@@ -11,10 +19,13 @@ from __future__ import annotations
 import logging
 
 from skyline import messages
+from skyline.runs import FENCED, RunClaim
 from skyline.streams import Claimed, now_ms
+from skyline.workers import observe
+from skyline.workers.engines.base import EngineRequest
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
-from skyline.workers.runtime import WorkerRuntime
+from skyline.workers.runtime import Fenced, WorkerRuntime
 
 log = logging.getLogger("skyline.worker.decode")
 
@@ -26,7 +37,7 @@ class ClientGone(Exception):
 class DecodeHandler:
     def __init__(self, rt: WorkerRuntime):
         self.rt = rt
-        self.publisher = BatchPublisher(rt.redis)
+        self.publisher = BatchPublisher(rt.redis, rt.runs.publish_script)
         rt.on_start.append(self.publisher.start)
 
     async def __call__(self, claimed: Claimed) -> None:
@@ -35,36 +46,41 @@ class DecodeHandler:
             await self.rt.fail(claimed, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
             return
         req = work.request
-        channel = self.rt.keys.tokens(req.request_id)
-        started = now_ms()
-        kv_handle, handle_expired = work.kv_handle, False
-        if kv_handle is not None and started - work.prefill_finished_ms > 800 * self.rt.cfg.engine.kv_lease_s:
-            # The prefill engine may already have reused these blocks: pulling them
-            # could silently produce wrong output. Prefill here instead.
-            log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, started - work.prefill_finished_ms)
-            kv_handle, handle_expired = None, True
-        first_token_ms = 0
-        seq = produced = 0
-        finish_reason = "abort"
-        kv_transfer: dict = {}
-        try:
-            async for chunk in self.rt.engine.generate(engine_request(req), kv_handle):
-                if chunk.token_ids or chunk.text:
-                    first_token_ms = first_token_ms or now_ms()
-                    frame = messages.TokenDelta(req.request_id, seq, produced, chunk.token_ids, chunk.text)
-                    if await self.publisher.publish(channel, messages.encode(frame)) == 0:
-                        raise ClientGone
-                    seq += 1
-                    produced += len(chunk.token_ids)
-                if chunk.finish_reason:
-                    finish_reason, kv_transfer = chunk.finish_reason, dict(chunk.kv_transfer)
-                    if handle_expired:
-                        kv_transfer["handle_expired"] = True
-        except ClientGone:
-            log.info("client of %s is gone; aborting", req.request_id)
-            await self.rt.engine.abort(req.request_id)
+        run = await self.rt.runs.claim(req.request_id, self.rt.worker_id)
+        if run.done:  # an earlier attempt sent the final frame and died before its ack
             await self.rt.queues.ack(claimed)
             return
+        stream = _Stream(self, req, run)
+        if run.output and req.sampling.seed is not None:
+            await stream.fail(500, "the decode worker serving this request died mid-stream, and a request with a "
+                                   "`seed` is not resumed on another engine (its random stream cannot be continued); "
+                                   "retry the request", code="migration_refused")
+            await self.rt.queues.ack(claimed)
+            return
+        ereq, kv_handle, why_local = await self._plan(work, run)
+        started = now_ms()
+        first_token_ms = 0
+        finish_reason = "length" if ereq.sampling.max_tokens <= 0 else "abort"
+        kv_transfer: dict = {}
+        try:
+            if ereq.sampling.max_tokens > 0:
+                async for chunk in self.rt.engine.generate(ereq, kv_handle):
+                    if chunk.token_ids or chunk.text:
+                        if not first_token_ms:
+                            first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
+                        await stream.delta(chunk.token_ids, chunk.text)
+                    if chunk.finish_reason:
+                        finish_reason, kv_transfer = chunk.finish_reason, dict(chunk.kv_transfer)
+        except (ClientGone, Fenced) as exc:
+            await self.rt.engine.abort(req.request_id)
+            if isinstance(exc, Fenced):
+                raise  # another worker owns the request now: leave the entry to it
+            log.info("client of %s is gone; aborting", req.request_id)
+            self.rt.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
+            await self.rt.queues.ack(claimed)
+            return
+        if why_local:
+            kv_transfer["local_prefill"] = why_local
         done = now_ms()
         timings = {
             "queue_ms": (work.prefill_started_ms or started) - req.arrival_ms,
@@ -75,9 +91,71 @@ class DecodeHandler:
             "e2e_ms": done - req.arrival_ms,
         }
         final = messages.Finished(
-            request_id=req.request_id, seq=seq, finish_reason=finish_reason, prompt_tokens=len(req.prompt_token_ids),
-            completion_tokens=produced, timings=timings, kv_transfer=kv_transfer,
-            decode_worker=self.rt.worker_id, prefill_worker=work.prefill_worker,
+            request_id=req.request_id, seq=stream.seq, finish_reason=finish_reason,
+            prompt_tokens=len(req.prompt_token_ids), completion_tokens=stream.produced, timings=timings,
+            kv_transfer=kv_transfer, decode_worker=self.rt.worker_id, prefill_worker=work.prefill_worker,
+            attempts=run.attempt, resumed_at_token=len(run.output),
         )
-        await self.publisher.publish(channel, messages.encode(final))
+        observe.decode_done(self.rt, final, done)
+        await stream.send(final, [], final=True)
         await self.rt.queues.ack(claimed)
+
+    async def _plan(self, work: messages.DecodeWork, run: RunClaim) -> tuple[EngineRequest, dict | None, str]:
+        """What to give the engine: the request (continued after the tokens already
+        sent, on a migration), the KV handle to pull or None to prefill here, and
+        why the prompt is prefilled here when a handle existed."""
+        req = work.request
+        ereq = engine_request(req)
+        if run.output:
+            ereq.prompt_token_ids = list(req.prompt_token_ids) + run.output
+            ereq.sampling = _replace_max_tokens(req.sampling, req.sampling.max_tokens - len(run.output))
+        if work.kv_handle is None:
+            return ereq, None, ""
+        if run.attempt > 1:
+            # An earlier attempt may have pulled (and so released) these blocks, or
+            # its prefill may now be stale: recompute rather than risk reading reused KV.
+            return ereq, None, "decode_retry"
+        age = now_ms() - work.prefill_finished_ms
+        if age > 800 * self.rt.cfg.engine.kv_lease_s:
+            # The prefill engine may already have reused these blocks: pulling them
+            # could silently produce wrong output. Prefill here instead.
+            log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, age)
+            return ereq, None, "handle_expired"
+        if work.prefill_worker and not await self.rt.is_alive(work.prefill_worker):
+            log.warning("prefill worker %s of %s is gone; prefilling locally", work.prefill_worker, req.request_id)
+            return ereq, None, "prefill_worker_gone"
+        return ereq, work.kv_handle, ""
+
+
+class _Stream:
+    """The output side of one attempt: frame numbering continued from earlier attempts."""
+
+    def __init__(self, handler: DecodeHandler, req: messages.GenerateRequest, run: RunClaim):
+        self.h = handler
+        self.req = req
+        self.run = run
+        self.channel = handler.rt.keys.tokens(req.request_id)
+        self.seq = run.frames
+        self.produced = len(run.output)
+
+    async def delta(self, token_ids: list[int], text: str) -> None:
+        frame = messages.TokenDelta(self.req.request_id, self.seq, self.produced, token_ids, text)
+        if await self.send(frame, token_ids) == 0:
+            raise ClientGone
+        self.produced += len(token_ids)
+
+    async def fail(self, status: int, message: str, code: str | None = None) -> None:
+        await self.send(messages.Failed(self.req.request_id, self.seq, status, message, code=code), [], final=True)
+
+    async def send(self, frame: messages.Message, token_ids: list[int], final: bool = False) -> int:
+        keys, args = self.h.rt.runs.publish_args(self.req.request_id, self.run.attempt, self.channel,
+                                                 messages.encode(frame), final, token_ids)
+        receivers = await self.h.publisher.publish(keys, args)
+        if receivers == FENCED:
+            raise Fenced(f"{self.req.request_id}: attempt {self.run.attempt} was taken over")
+        self.seq += 1
+        return receivers
+
+
+def _replace_max_tokens(sampling: messages.SamplingSpec, max_tokens: int) -> messages.SamplingSpec:
+    return messages.SamplingSpec(**{**sampling.__dict__, "max_tokens": max_tokens})

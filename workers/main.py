@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from skyline.config import EngineConfig, SkylineConfig
 from skyline.redis_server import free_port
@@ -33,13 +34,28 @@ def build_engine(ec: EngineConfig, model_path: str) -> Engine:
 
 async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> None:
     from skyline.workers.decode import DecodeHandler
+    from skyline.workers.endpoint import WorkerEndpoint
     from skyline.workers.prefill import PrefillHandler
     from skyline.workers.runtime import WorkerRuntime
 
+    # Fix the side-channel port now: it is advertised in the heartbeat as well as in KV handles.
+    moves_kv = cfg.engine.kind == "vllm" and cfg.engine.kv_transfer
+    if moves_kv and not cfg.engine.nixl_port:
+        cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=free_port()))
     engine = build_engine(cfg.engine, model_path)
     rt = WorkerRuntime(cfg, engine, model_name)
     handler = PrefillHandler(rt) if rt.role == "prefill" else DecodeHandler(rt)
-    await rt.run(handler)
+    # Up before the engine starts, so that orchestrators' liveness probes pass during start-up.
+    endpoint = WorkerEndpoint(rt, cfg.worker.advertise_host or "127.0.0.1", cfg.worker.metrics_port)
+    endpoint.registry.register(rt.metrics.registry)  # event metrics (workers/observe.py) next to the load gauges
+    rt.info.address = endpoint.host
+    rt.info.metrics_port = endpoint.start()
+    rt.info.nixl_port = (cfg.engine.nixl_port or 0) if moves_kv else 0
+    rt.on_start.append(endpoint.mark_ready)
+    try:
+        await rt.run(handler)
+    finally:
+        endpoint.stop()
 
 
 def main(cfg: SkylineConfig, model_path: str, model_name: str) -> None:

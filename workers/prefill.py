@@ -4,7 +4,9 @@ The engine computes the prompt's KV with `max_tokens=1` and keeps the blocks
 (under the connector's lease) for a decode engine to pull over NIXL. The
 handle travels with the request on the decode stream of the request's tier;
 the prefill entry is acked only after that XADD, so a crash in between means
-the request is prefilled again (at-least-once), never lost.
+the request is prefilled again (at-least-once), never lost. The XADD is a
+hand-off done once per request (skyline/runs.py), so a second prefill of the
+same request never reaches a decode worker.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 
 from skyline import messages
-from skyline.streams import Claimed, enqueue, now_ms
+from skyline.streams import Claimed, entry_fields, now_ms
+from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest
 from skyline.workers.runtime import WorkerRuntime
 
@@ -33,12 +36,21 @@ class PrefillHandler:
             await self.rt.fail(claimed, 500, f"prefill stream carried a {type(req).__name__}, expected a request")
             return
         started = now_ms()
+        self.rt.timeline.emit(req.request_id, "prefill_started", t_ms=started, prompt_tokens=len(req.prompt_token_ids))
         result = await self.rt.engine.prefill(engine_request(req))
         self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(),
         )
-        await enqueue(self.rt.redis, self.rt.keys, "decode", work, self.rt.cfg.redis.stream_maxlen)
+        stream = self.rt.keys.stream("decode", req.tier)
+        entry = await self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
+                                            self.rt.cfg.redis.stream_maxlen)
+        if entry is None:
+            # Another attempt of this request (this entry was taken over while we
+            # were slow, or delivered twice) handed it off first. Our KV blocks are
+            # never pulled; the engine frees them when their lease expires.
+            log.warning("%s was already handed off by another attempt; dropping this one", req.request_id)
+        observe.prefill_done(self.rt, req, work, handed_off=entry is not None)
         await self.rt.queues.ack(claimed)
         log.debug("prefilled %s (%d tokens) in %d ms", req.request_id, result.prompt_tokens, work.prefill_finished_ms - started)

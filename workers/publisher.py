@@ -1,10 +1,11 @@
-"""Coalesce PUBLISH commands from all of a worker's requests into one pipeline per loop turn.
+"""Coalesce output frames from all of a worker's requests into one pipeline per loop turn.
 
 A decode engine step produces one frame for every running sequence at once;
 publishing them one awaited round trip at a time makes the worker's Redis
-latency, not the engine, the limit on streamed tokens/s. Callers still get
-each PUBLISH's own answer (the number of subscribers that received it),
-which is how a worker notices that a client has gone.
+latency, not the engine, the limit on streamed tokens/s. Each frame is one
+call of the fenced publish script (skyline/runs.py: check ownership, log the
+tokens, PUBLISH). Callers still get each call's own answer: the number of
+subscribers that received the frame (0: the client has gone) or FENCED.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 
 
 class BatchPublisher:
-    def __init__(self, r: aioredis.Redis):
+    def __init__(self, r: aioredis.Redis, script: AsyncScript):
         self.r = r
-        self._pending: list[tuple[str, bytes, asyncio.Future]] = []
+        self.script = script
+        self._pending: list[tuple[list, list, asyncio.Future]] = []
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -32,9 +36,9 @@ class BatchPublisher:
             if not fut.done():
                 fut.set_exception(ConnectionError("publisher closed"))
 
-    async def publish(self, channel: str, payload: bytes) -> int:
+    async def publish(self, keys: list, args: list) -> int:
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((channel, payload, fut))
+        self._pending.append((keys, args, fut))
         self._ready.set()
         return await fut
 
@@ -45,16 +49,26 @@ class BatchPublisher:
             batch, self._pending = self._pending, []
             if not batch:
                 continue
-            pipe = self.r.pipeline(transaction=False)
-            for channel, payload, _ in batch:
-                pipe.publish(channel, payload)
             try:
-                results = await pipe.execute()
+                if isinstance(self.r, RedisCluster):
+                    # redis-py refuses EVALSHA in cluster pipelines: one concurrent call per frame
+                    # (all of a request's keys share the {decode} slot, so they go to one node).
+                    results = await asyncio.gather(*(self.script(keys=keys, args=args) for keys, args, _ in batch),
+                                                   return_exceptions=True)
+                else:
+                    pipe = self.r.pipeline(transaction=False)
+                    for keys, args, _ in batch:
+                        await self.script(keys=keys, args=args, client=pipe)  # queues an EVALSHA; nothing sent yet
+                    results = await pipe.execute()
             except Exception as exc:  # noqa: BLE001 - every waiting caller gets the failure
                 for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
             for (_, _, fut), receivers in zip(batch, results):
-                if not fut.done():
+                if fut.done():
+                    continue
+                if isinstance(receivers, BaseException):
+                    fut.set_exception(receivers)
+                else:
                     fut.set_result(receivers)

@@ -4,8 +4,12 @@
     room (`max_running`, and a prompt-token budget for prefill);
   - heartbeats its load to `skyline:worker:<id>`;
   - listens on `skyline:cancel` and aborts requests it holds;
-  - skips requests whose client already left (tombstone);
-  - on SIGTERM/SIGINT stops claiming, finishes what it holds, deregisters;
+  - skips requests whose client already left (tombstone), and drops queued
+    requests of tiers that would rather fail than be served this late;
+  - takes over work of workers that died or stalled (skyline/reaper.py) and
+    dead-letters a request delivered `max_deliveries` times (poison);
+  - on SIGTERM/SIGINT stops claiming, finishes what it holds (bounded by
+    `drain_timeout_s`), hands the rest back to the stream, deregisters;
   - if its main loop dies, the process exits (no zombie worker that
     heartbeats but never serves).
 
@@ -22,22 +26,28 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
-from skyline import messages
+from skyline import messages, redisconn
 from skyline.config import SkylineConfig
 from skyline.fleet import WorkerInfo, deregister, heartbeat
 from skyline.keys import Keys
+from skyline.reaper import forget_departed, reclaim
+from skyline.runs import Runs
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, now_ms
+from skyline.workers import observe
 from skyline.workers.engines.base import Engine
 
 log = logging.getLogger("skyline.worker")
 
 STAGE_OF_ROLE = {"prefill": "prefill", "decode": "decode"}
+
+
+class Fenced(Exception):
+    """This worker's claim on a request was taken over; it must not publish or ack."""
 
 
 class WorkerRuntime:
@@ -51,15 +61,20 @@ class WorkerRuntime:
         self.stage = STAGE_OF_ROLE[role]
         self.keys = Keys(cfg.key_prefix)
         self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-        self.redis = aioredis.from_url(cfg.redis.url, socket_keepalive=True, health_check_interval=10)
+        self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
         self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id)
+        self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s)
         self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
         self.prompt_tokens_in_flight = 0
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
         self.preempting: set[str] = set()
-        self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0}
+        self.handing_back: set[str] = set()
+        self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
+                         "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
+        self.timeline, self.metrics = observe.attach(self)  # request events -> Redis timeline, log line, metrics
+        self.tier_by_name = {t.name: t for t in cfg.tiers}
         self.stopping = asyncio.Event()
         self.info = WorkerInfo(
             worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
@@ -95,16 +110,34 @@ class WorkerRuntime:
             except (RedisConnectionError, RedisTimeoutError):
                 pass
             await self.engine.shutdown()
+            await self.timeline.flush()
             await self.redis.aclose()
             log.info("worker %s stopped", self.worker_id)
 
-    async def _drain(self, timeout_s: float = 60.0) -> None:
-        """Graceful scale-in: let held requests finish (bounded), so no entry is
-        left pending on a consumer that is going away."""
+    async def _drain(self) -> None:
+        """Graceful scale-in: let held requests finish (bounded by `drain_timeout_s`),
+        then hand back what is left: each goes back on its stream as a new entry
+        (a decode resumes from the tokens already sent) and the old entry is
+        acked, so no entry is left pending on a consumer that is going away."""
         tasks = [t for t, _ in self.in_flight.values()]
-        if tasks:
-            log.info("draining %d request(s)", len(tasks))
-            await asyncio.wait(tasks, timeout=timeout_s)
+        if not tasks:
+            return
+        log.info("draining %d request(s)", len(tasks))
+        await asyncio.wait(tasks, timeout=self.cfg.worker.drain_timeout_s)
+        left = list(self.in_flight.items())
+        if not left:
+            return
+        log.warning("drain timed out; handing %d request(s) back", len(left))
+        for rid, (task, _claimed) in left:
+            self.handing_back.add(rid)
+            await self.engine.abort(rid)
+            task.cancel()
+        await asyncio.wait([t for _, (t, _) in left], timeout=10)
+
+    async def is_alive(self, worker_id: str) -> bool:
+        """Did `worker_id` heartbeat recently (within three periods)?"""
+        score = await self.redis.zscore(self.keys.workers, worker_id)
+        return score is not None and score >= time.time() - 3 * self.cfg.worker.heartbeat_s
 
     # -- claiming ------------------------------------------------------------
 
@@ -137,6 +170,8 @@ class WorkerRuntime:
         waiting = Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms, head.prompt_tokens)
         for victim in choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s()):
             log.info("preempting %s for a %s request due in %d ms", victim, head.tier, head.deadline_ms - now_ms())
+            self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
+                               for_tier=head.tier)
             self.preempting.add(victim)
             await self.engine.abort(victim)
             self.in_flight[victim][0].cancel()
@@ -147,14 +182,63 @@ class WorkerRuntime:
         req = _request_of(claimed.message)
         again = messages.GenerateRequest(**{**req.__dict__, "preemptions": req.preemptions + 1})
         await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen)
+        self.timeline.emit(req.request_id, "requeued", stage=self.stage, tier=req.tier, reason="preempted")
         await self.queues.ack(claimed)
         self.counters["preempted"] += 1
+
+    async def _hand_back(self, claimed: Claimed) -> None:
+        """Return a request this worker will not finish to its stream as a new entry.
+        The same message: a decode takeover finds the tokens already sent in the
+        request's output log and resumes from there."""
+        msg = claimed.message
+        await enqueue(self.redis, self.keys, self.stage, msg, self.cfg.redis.stream_maxlen)  # type: ignore[arg-type]
+        self.timeline.emit(_request_of(msg).request_id, "requeued", stage=self.stage, reason="drain")
+        await self.queues.ack(claimed)
+        self.counters["handed_back"] += 1
+
+    async def _reap(self, room: asyncio.Event) -> None:
+        """Take over entries of workers that died or stalled, as far as there is room."""
+        wc = self.cfg.worker
+        limit = wc.max_running - len(self.in_flight)
+        for got in await reclaim(self.queues, wc.reclaim_after_s, limit):
+            rid = _request_of(got.claimed.message).request_id
+            self.counters["reclaimed"] += 1
+            if got.deliveries > wc.max_deliveries:
+                self.counters["dead_lettered"] += 1
+                log.error("%s was delivered %d times without finishing; dead-lettering it", rid, got.deliveries - 1)
+                await self.fail(got.claimed, 500, f"request failed on {got.deliveries - 1} workers in a row "
+                                                  "(each died or stalled while holding it); moved to the "
+                                                  "dead-letter stream", code="poison_request")
+                continue
+            log.warning("took over %s from %s (delivery %d)", rid, got.previous_owner, got.deliveries)
+            self._start(got.claimed, room)
+
+    def _too_late(self, claimed: Claimed) -> bool:
+        """A queued request whose tier would rather fail than be served this late.
+        Only before any output: a migrating stream is never dropped."""
+        msg = claimed.message
+        if isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None:
+            return False  # prefilled already: its first token is imminent
+        req = _request_of(msg)
+        tier = self.tier_by_name.get(req.tier)
+        return tier is not None and tier.drop_late_ms >= 0 and now_ms() > req.deadline_ms + tier.drop_late_ms
 
     async def _claim_loop(self) -> None:
         room = asyncio.Event()
         room.set()
         backoff = 0.1
+        next_reap = 0.0
+        reaps = 0
         while not self.stopping.is_set():
+            if time.monotonic() >= next_reap and self.has_room():
+                next_reap = time.monotonic() + self.cfg.worker.reclaim_interval_s
+                reaps += 1
+                try:
+                    await self._reap(room)
+                    if reaps % 30 == 0:
+                        await forget_departed(self.queues, max(60.0, self.cfg.worker.heartbeat_ttl_s))
+                except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                    log.warning("reclaim check failed: %s", exc)
             if not self.has_room():
                 room.clear()
                 if self.role == "prefill" and self.preemption.enabled:
@@ -188,21 +272,38 @@ class WorkerRuntime:
         rid = _request_of(claimed.message).request_id
         tokens = len(_request_of(claimed.message).prompt_token_ids)
         self.prompt_tokens_in_flight += tokens
+        observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
 
         async def guarded() -> None:
             try:
                 if await self.redis.exists(self.keys.cancelled(rid)):
                     log.info("skip %s: cancelled while queued", rid)
+                    self.timeline.emit(rid, "cancelled", phase="queued")
                     await self.queues.ack(claimed)
+                    return
+                if self._too_late(claimed):
+                    self.counters["dropped_late"] += 1
+                    log.info("drop %s: still queued %d ms past its deadline", rid,
+                             now_ms() - _request_of(claimed.message).deadline_ms)
+                    await self.fail(claimed, 503, "the request waited in the queue past its deadline and its tier "
+                                                  "drops late requests rather than serve them late; retry later",
+                                    code="deadline_exceeded", dead_letter=False)
                     return
                 assert self.handle is not None
                 await self.handle(claimed)
                 self.counters["completed"] += 1
+            except Fenced as exc:
+                # Taken over by another worker (we were presumed dead): it owns the entry now.
+                self.counters["fenced"] += 1
+                log.warning("fenced: %s", exc)
             except asyncio.CancelledError:
                 if rid in self.preempting:
                     await self._requeue_preempted(claimed)
+                elif rid in self.handing_back:
+                    await self._hand_back(claimed)
                 else:
                     self.counters["cancelled"] += 1
+                    self.timeline.emit(rid, "cancelled", phase=self.stage)
                     await self.queues.ack(claimed)  # cancelled by the client: nothing left to deliver
             except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
                 log.exception("request %s failed", rid)
@@ -210,6 +311,7 @@ class WorkerRuntime:
                 await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
             finally:
                 self.preempting.discard(rid)
+                self.handing_back.discard(rid)
                 self.in_flight.pop(rid, None)
                 self.prompt_tokens_in_flight -= tokens
                 room.set()
@@ -217,19 +319,22 @@ class WorkerRuntime:
         task = asyncio.create_task(guarded(), name=f"{self.role}:{rid}")
         self.in_flight[rid] = (task, claimed)
 
-    async def fail(self, claimed: Claimed, status: int, message: str) -> None:
+    async def fail(self, claimed: Claimed, status: int, message: str, code: str | None = None,
+                   dead_letter: bool = True) -> None:
         """End a request with an explicit error frame, record it in the dead-letter
-        stream, and ack it: never drop a request silently."""
+        stream (for a human to look at), and ack it: never drop a request silently."""
         req = _request_of(claimed.message)
-        frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message)
+        self.timeline.emit(req.request_id, "failed", status=status, reason=code or "error", dead_letter=dead_letter)
+        frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message, code=code)
         pipe = self.redis.pipeline(transaction=False)
         pipe.publish(self.keys.tokens(req.request_id), messages.encode(frame))
-        pipe.xadd(
-            self.keys.dead,
-            {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": message,
-             "msg": messages.encode(claimed.message)},
-            maxlen=10_000, approximate=True,
-        )
+        if dead_letter:
+            pipe.xadd(
+                self.keys.dead,
+                {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": message,
+                 "msg": messages.encode(claimed.message)},
+                maxlen=10_000, approximate=True,
+            )
         await pipe.execute()
         await self.queues.ack(claimed)
 

@@ -19,12 +19,16 @@ class RequestRecord:
     ok: bool = False
     status: int = 0
     error: str = ""
+    # Where the error came from: "status" (HTTP error answer), "frame" (error event in
+    # the stream: the server told the client) or "transport" (connection broke, timeout).
+    error_source: str = ""
     sent: float = 0.0  # time.perf_counter() at send
     ttft_s: float = 0.0
     latency_s: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)  # seconds after `sent`
+    text: str = ""  # the streamed output, concatenated
     skyline: dict = field(default_factory=dict)  # the gateway's extension object, when present
 
     @property
@@ -41,6 +45,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
             rec.status = resp.status_code
             if resp.status_code != 200:
                 rec.error = (await resp.aread()).decode(errors="replace")[:500]
+                rec.error_source = "status"
                 return rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -51,12 +56,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
                 chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = chunk["error"].get("message", "error")
+                    rec.error_source = "frame"
                     return rec
                 now = time.perf_counter() - rec.sent
                 for choice in chunk.get("choices") or []:
-                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
                         rec.ttft_s = rec.ttft_s or now
                         rec.chunk_times.append(now)
+                        rec.text += piece
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
@@ -66,6 +74,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
         rec.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
+        rec.error_source = "transport"
     return rec
 
 

@@ -16,8 +16,6 @@ import asyncio
 import json
 from collections import Counter
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from skyline.bench.client import percentile, stream_completion
-from skyline.redis_server import free_port, start_redis
+from skyline.bench.simfleet import SimFleet
 
 SIM_TIMING = """
 [engine]
@@ -36,25 +34,14 @@ sim_decode_per_seq_s = 0.0
 """
 
 
-def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[list[subprocess.Popen], str]:
-    cfg = workdir / "zero.toml"
-    cfg.write_text(SIM_TIMING.format(decode_step_s=decode_step_s))
-    rport, gport = free_port(), free_port()
-    redis = start_redis(rport, workdir / "redis")
-    common = ["--redis-url", f"redis://127.0.0.1:{rport}/0", "--engine", "sim", "--config", str(cfg), "--log-level", "WARNING"]
-    argvs = [["gateway", *common, "--port", str(gport)], ["worker", "prefill", *common], ["worker", "decode", *common, "--max-running", "256"]]
-    procs = [redis] + [subprocess.Popen([sys.executable, "-m", "skyline.cli", *a]) for a in argvs]
-    url = f"http://127.0.0.1:{gport}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            workers = httpx.get(f"{url}/health", timeout=1).json().get("workers", {})
-            if workers.get("prefill") and workers.get("decode"):
-                return procs, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError("sim fleet did not start")
+def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[SimFleet, str]:
+    fleet = SimFleet(workdir, SIM_TIMING.format(decode_step_s=decode_step_s))
+    fleet.start_redis()
+    fleet.start_gateway()
+    fleet.start_worker("prefill-0", "prefill")
+    fleet.start_worker("decode-0", "decode", "--max-running", "256")
+    fleet.wait_ready({"prefill": 1, "decode": 1})
+    return fleet, fleet.url
 
 
 async def _latency(url: str, n: int) -> dict:
@@ -101,7 +88,7 @@ def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, m
     """`decode_step_ms` > 0 makes the sim engine emit one token per sequence per step, so
     every frame carries one token: the fleet's per-message cost instead of its batching."""
     with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp:
-        procs, url = _start_fleet(Path(tmp), decode_step_ms / 1000.0)
+        fleet, url = _start_fleet(Path(tmp), decode_step_ms / 1000.0)
         try:
             result = {
                 "machine": {"cpus": os.cpu_count()},
@@ -110,9 +97,7 @@ def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, m
                 "throughput": asyncio.run(_throughput(url, concurrency, duration_s, max_tokens)),
             }
         finally:
-            for p in reversed(procs):  # workers and gateway before Redis
-                p.terminate()
-                p.wait(timeout=30)
+            fleet.stop()
     return result
 
 

@@ -124,7 +124,7 @@ class SimEngine(Engine):
 
     def _admit(self, req: EngineRequest, prefill_only: bool, remote_kv: bool) -> _Seq:
         seq = _Seq(req, prefill_only, remote_kv)
-        seq.start = int.from_bytes(hashlib.blake2b(bytes(str(req.prompt_token_ids), "ascii"), digest_size=4).digest(), "big")
+        seq.start = _output_start(req.prompt_token_ids)
         self._by_id[req.request_id] = seq
         if remote_kv:
             self._running.append(seq)  # KV arrives from the prefill engine: straight to decode
@@ -179,7 +179,7 @@ class SimEngine(Engine):
                     self._emit(seq)
 
     def _emit(self, seq: _Seq) -> None:
-        token = _TEXT[(seq.start + seq.produced) % len(_TEXT)]
+        token = _token_at(seq.start, seq.produced)
         seq.produced += 1
         seq.text += bytes([token])
         sampling = seq.req.sampling
@@ -191,3 +191,22 @@ class SimEngine(Engine):
         if finish:
             self._drop(seq.req.request_id)
         seq.out.put_nowait((token, finish))
+
+
+def _output_start(prompt_token_ids: list[int]) -> int:
+    """Output depends on the first tokens of the context and on the position, like
+    a greedy model: a request resumed elsewhere with prompt + output so far
+    (migration) continues with exactly the tokens it would have produced."""
+    head = bytes(str(prompt_token_ids[:8]), "ascii")
+    return int.from_bytes(hashlib.blake2b(head, digest_size=4).digest(), "big") + len(prompt_token_ids)
+
+
+def _token_at(start: int, k: int) -> int:
+    return _TEXT[(start + k) % len(_TEXT)]
+
+
+def expected_output(prompt_token_ids: list[int], max_tokens: int) -> bytes:
+    """What the sim engine generates for a prompt without stop strings: lets a test
+    or the churn benchmark check an output for gaps and duplicates."""
+    start = _output_start(prompt_token_ids)
+    return bytes(_token_at(start, k) for k in range(max_tokens))

@@ -102,6 +102,8 @@ class VllmEngine(Engine):
         self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
         self._remote_tokens: dict[str, int] = {}  # external request id -> tokens loaded via connector
         self.start_seconds = 0.0
+        # KV cache bytes of one token (K and V, every layer): sizes KV transfers in the timeline.
+        self.kv_bytes_per_token: int | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -163,6 +165,7 @@ class VllmEngine(Engine):
         with self._engine_priority():
             self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
         self._tap_prefill_stats()
+        self.kv_bytes_per_token = _kv_bytes_per_token(self._llm)
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s)",
                  self.start_seconds, self.model, self.cpu_bind, self.nixl_port)
@@ -364,3 +367,16 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy / torch scalars
         return value.item()
     return str(value)
+
+
+def _kv_bytes_per_token(llm: Any) -> int | None:
+    """K and V of one token across all layers of this engine's shard, in bytes (None if unknown)."""
+    try:
+        import torch
+
+        mc, pc = llm.model_config, llm.vllm_config.parallel_config
+        itemsize = torch.empty((), dtype=mc.dtype).element_size()
+        return 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * itemsize
+    except Exception:  # noqa: BLE001 - a vLLM API change must not stop the engine; bytes are optional
+        log.warning("cannot size the KV cache per token; KV transfer bytes will not be reported", exc_info=True)
+        return None

@@ -1,0 +1,88 @@
+"""`GET /dashboard`: one self-contained live page; `GET /dashboard/data`: what it polls.
+
+The page (dashboard.html next to this file) has no build step and fetches
+nothing but this gateway's own JSON: its charts are drawn on <canvas> by a
+few dozen lines of its own script. Every ~2 s it reads `/dashboard/data`:
+the queues and workers now (queue depth over time accumulates in the
+browser), per-minute SLO attainment (the `skyline:slo:<minute>` counters all
+gateways write), TTFT/TPOT percentiles per minute and the slowest recent
+requests (from `skyline:recent`). Clicking a slow request draws its timeline
+from `/v1/requests/{id}/timeline`.
+
+Like `/metrics`, the dashboard needs no API key: it shows latencies and
+request ids, never prompts or outputs; timelines stay owner-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi.responses import HTMLResponse, JSONResponse
+from redis.exceptions import RedisError
+
+from skyline.config import SkylineConfig
+from skyline.keys import Keys
+from skyline.slo_record import attainment, by_minute, read_minutes, read_recent, slowest
+from skyline.status import read_streams
+
+PAGE = Path(__file__).with_name("dashboard.html")
+WINDOW_MINUTES = 15  # charts span this many minutes
+SLOWEST = 10
+
+
+async def dashboard_data(r: Any, fleet: Any, cfg: SkylineConfig, keys: Keys, now_ms: int) -> dict:
+    """Everything the page shows, as one JSON-able dict."""
+    streams, minutes, recent = await asyncio.gather(
+        read_streams(r, keys, cfg.tier_names),
+        read_minutes(r, keys, now_ms, WINDOW_MINUTES),
+        read_recent(r, keys, cfg.observability.recent_requests),
+    )
+    last5 = minutes[-5:]
+    latency = {m["minute"]: m for m in by_minute(recent, now_ms, WINDOW_MINUTES)}
+    per_minute = []
+    for m in minutes:
+        row = {"t_ms": m["minute"] * 60_000,
+               "attainment": {t: attainment([m], t)["attainment"] for t in cfg.tier_names},
+               "all": attainment([m])}
+        lat = latency.get(m["minute"], {})
+        row.update({k: lat.get(k) for k in ("n", "ttft_ms", "tpot_ms", "e2e_ms")})
+        per_minute.append(row)
+    workers = sorted(fleet.workers if fleet else [], key=lambda w: (w.role, w.worker_id))
+    now_s = now_ms / 1000
+    return {
+        "now_ms": now_ms,
+        "tiers": list(cfg.tier_names),
+        "targets": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in cfg.tiers},
+        "streams": [asdict(s) for s in streams],
+        "workers": [{**asdict(w), "heartbeat_age_s": round(now_s - w.last_seen, 1)} for w in workers],
+        "max_running": cfg.worker.max_running,
+        "attainment_5m": {"all": attainment(last5), **{t: attainment(last5, t) for t in cfg.tier_names}},
+        "minutes": per_minute,
+        "slowest": [{**asdict(o), "timeline": f"/v1/requests/{o.id}/timeline"}
+                    for o in slowest(recent, SLOWEST, now_ms - WINDOW_MINUTES * 60_000)],
+        "api_keys": bool(cfg.gateway.api_keys),
+    }
+
+
+def add_dashboard_routes(app: Any, cfg: SkylineConfig, keys: Keys, connections: Any) -> None:
+    """`connections()` -> (redis client, FleetView), both None until the app has started."""
+    page = PAGE.read_text(encoding="utf-8")
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page, headers={"cache-control": "no-cache"})
+
+    @app.get("/dashboard/data")
+    async def data() -> JSONResponse:
+        r, fleet = connections()
+        if r is None:
+            return JSONResponse({"error": "the gateway is not connected to Redis"}, status_code=503)
+        try:
+            body = await dashboard_data(r, fleet, cfg, keys, int(time.time() * 1000))
+        except (RedisError, OSError) as exc:
+            return JSONResponse({"error": f"cannot read Redis: {exc}"}, status_code=503)
+        return JSONResponse(body, headers={"cache-control": "no-store"})

@@ -1,0 +1,184 @@
+"""What the gateway records about each request: timeline events, the SLO verdict, the rolling record.
+
+The gateway sees a request arrive, get admitted (or refused) and enqueued,
+and sees the client's side of the end: latencies, status, cancellation. It
+records those as timeline events (`skyline.timeline`), counts one SLO
+verdict per request (`GatewayMetrics.verdict`), and adds the outcome to the
+fleet's rolling SLO record in Redis (`skyline.slo_record`). The workers
+record what happens in between. Everything here is best-effort: a failure
+is logged and counted, never raised into a request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.requests import Request
+
+from skyline import messages
+from skyline.config import SkylineConfig
+from skyline.gateway.errors import ApiError
+from skyline.gateway.metrics import GatewayMetrics
+from skyline.gateway.prepare import Prepared, check_auth
+from skyline.keys import Keys
+from skyline.slo_record import Outcome, SloRecorder
+from skyline.timeline import Timeline, key_digest, now_ms, read_timeline, requester_of
+from skyline.trace import phase_durations
+
+log = logging.getLogger("skyline.gateway")
+
+# Admission's refusals by error code, as the `admitted` event's decision.
+_REFUSAL_DECISION = {"slo_unattainable": "reject", "overloaded": "overloaded"}
+
+
+def gateway_id() -> str:
+    return f"gateway-{socket.gethostname()}-{os.getpid()}"
+
+
+def api_key_of(request: Request) -> str | None:
+    """The bearer token the request authenticated with (check_auth already validated it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class GatewayObserver:
+    def __init__(self, cfg: SkylineConfig, metrics: GatewayMetrics, keys: Keys, who: str | None = None):
+        self.cfg = cfg
+        self.obs = cfg.observability
+        self.metrics = metrics
+        self.keys = keys
+        self.who = who or gateway_id()
+        self.timeline: Timeline | None = None
+        self.slo: SloRecorder | None = None
+
+    def start(self, r: Any) -> None:
+        """Bind to the app's Redis client (at start-up)."""
+        o = self.obs
+        self.timeline = Timeline(r, self.keys, self.who, o.timeline_ttl_s, o.timeline_max_events,
+                                 enabled=o.timeline, log_events=o.log_events)
+        self.slo = SloRecorder(self.timeline.batcher, self.keys, o.slo_window_minutes, o.recent_requests)
+        self.metrics.watch_timeline(lambda: self.timeline.errors if self.timeline else 0)
+
+    async def close(self) -> None:
+        if self.timeline is not None:
+            await self.timeline.flush()
+
+    # ---- events -------------------------------------------------------------------
+
+    def _arrival(self, prep: Prepared, request: Request) -> None:
+        tl, req = self.timeline, prep.request
+        assert tl is not None
+        tl.emit(req.request_id, "arrived", t_ms=req.arrival_ms, kind=prep.kind, prompt_tokens=len(req.prompt_token_ids),
+                max_tokens=req.sampling.max_tokens, stream=prep.stream, route=prep.route)
+        if self.cfg.gateway.api_keys and (key := api_key_of(request)):
+            tl.set_requester(req.request_id, key)
+
+    def enqueued(self, prep: Prepared, request: Request, t_enqueue_ms: int) -> None:
+        """The request is in its first stream (`t_enqueue_ms`: taken just before the XADD,
+        so no worker's claim can look earlier than it)."""
+        if self.timeline is None:
+            return
+        req = prep.request
+        self._arrival(prep, request)
+        if self.cfg.gateway.admission:
+            self.timeline.emit(req.request_id, "admitted", t_ms=t_enqueue_ms, decision=prep.admission,
+                               tier=req.tier, predicted_ttft_ms=_round(prep.predicted_ttft_ms))
+        self.timeline.emit(req.request_id, "enqueued", t_ms=t_enqueue_ms,
+                           stage="prefill" if prep.route == "disagg" else "decode", tier=req.tier,
+                           deadline_ms=req.deadline_ms)
+
+    def refused(self, prep: Prepared | None, request: Request, exc: ApiError) -> None:
+        """A request refused after it was parsed (429, 503, ...): it missed its SLO."""
+        if prep is None or self.timeline is None:
+            return  # refused before it had an id or a tier (401, 400, 413): nothing to trace
+        req, tier = prep.request, prep.slo.tier
+        self._arrival(prep, request)
+        if exc.code in _REFUSAL_DECISION:
+            self.timeline.emit(req.request_id, "admitted", decision=_REFUSAL_DECISION[exc.code], tier=tier)
+        self.timeline.emit(req.request_id, "failed", status=exc.status, reason=exc.code or exc.type)
+        self.metrics.verdict(tier, False)
+        outcome = Outcome(req.request_id, tier, now_ms(), exc.status, False, route=prep.route,
+                          prompt_tokens=len(req.prompt_token_ids))
+        if self.slo is not None:
+            self.slo.add(outcome, in_recent=False)  # refusals are counted, not listed: overload would flood the list
+
+    def closed(self, session: Any, status: int, fin: messages.Finished | None) -> None:
+        """Session.close hook: the client's view of the end of the request."""
+        try:
+            self._closed(session, status, fin)
+        except Exception:  # noqa: BLE001 - observability must never fail a request
+            log.exception("recording the end of %s failed", session.request_id)
+
+    def _closed(self, session: Any, status: int, fin: messages.Finished | None) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        prep, rid = session.prep, session.request_id
+        tier, slo = prep.slo.tier, prep.slo
+        for gap in session.itl_s:
+            self.metrics.itl.labels(tier).observe(gap)
+        ttft = tpot = None
+        met = False
+        if fin is not None:
+            ttft, tpot, met = session.latency(fin)
+        end = session.t_end if session.t_end is not None else time.perf_counter()
+        e2e_ms = (end - prep.t_arrival) * 1000
+        if session.cancel_reason:
+            tl.emit(rid, "cancelled", reason=session.cancel_reason)
+        elif fin is None:
+            f = session.failure
+            tl.emit(rid, "failed", status=status, reason=(f.code or f.message[:80]) if f else "no_output")
+        ttft_ms = None if ttft is None else round(ttft * 1000, 1)
+        tpot_ms = None if tpot is None else round(tpot * 1000, 2)
+        tl.emit(rid, "responded", status=status, ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=round(e2e_ms, 1),
+                slo_met=met)
+        self.metrics.verdict(tier, met)
+        outcome = Outcome(
+            rid, tier, now_ms(), status if fin is None else 200, met,
+            ttft_met=ttft is not None and ttft * 1000 <= slo.ttft_ms,
+            ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=round(e2e_ms, 1), route=prep.route,
+            prompt_tokens=len(prep.request.prompt_token_ids), completion_tokens=fin.completion_tokens if fin else 0)
+        if self.slo is not None:
+            self.slo.add(outcome)
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+def add_timeline_route(app: Any, cfg: SkylineConfig, keys: Keys, redis_of: Any) -> None:
+    """`GET /v1/requests/{id}/timeline`: the request's events and phase durations.
+
+    With API keys on, it takes a key like every inference route, and a client
+    reads only requests it sent (the gateway stored a digest of the sending
+    key); any other id answers 404, whether it exists or not.
+    """
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str, request: Request) -> JSONResponse:
+        check_auth(request, cfg.gateway.api_keys)
+        r = redis_of()
+        if r is None:
+            raise ApiError(503, "the gateway is not connected to Redis", code="redis_unavailable")
+        not_found = ApiError(404, f"no timeline for request {request_id!r}: unknown, expired "
+                                  f"(kept {cfg.observability.timeline_ttl_s} s) or not sent with this API key",
+                             code="timeline_not_found")
+        try:
+            if cfg.gateway.api_keys:
+                owner = await requester_of(r, keys, request_id)
+                if owner is None or not hmac.compare_digest(owner, key_digest(api_key_of(request) or "")):
+                    raise not_found
+            events = await read_timeline(r, keys, request_id)
+        except (RedisError, OSError) as exc:
+            raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
+        if not events:
+            raise not_found
+        return JSONResponse({"object": "request.timeline", "request_id": request_id,
+                             "events": [asdict(e) for e in events], "phases": phase_durations(events)})

@@ -1,0 +1,260 @@
+"""A simulated decode worker: continuous batching advanced in closed form.
+
+Claiming is the live rule (`workers/runtime.py`): claim the EDF head of the
+decode stage while the worker holds fewer than `max_running` requests and its
+KV usage is under `kv_watermark`. A claimed request with a KV handle pulls
+its KV (the model's transfer time) and joins the batch at the next step
+boundary; one without (colocated route, or a handle older than 80% of the KV
+lease) is prefilled by this engine first.
+
+Decode-only batches are not simulated step by step. Between two membership
+changes the batch of B sequences holding C KV tokens runs steps of
+a + b * (C + j * B) seconds (the model's linear-in-context cost), so the
+time after n steps is
+
+    T(n) = t + n a + b (n C + B n (n - 1) / 2)
+
+and the worker schedules one event: the step at which its next member
+finishes. A request joining mid-step waits for the step in progress (found
+by solving T(n) <= now for n); every member's first and last token times
+follow from T. Steps that prefill (colocated engines) are simulated one by
+one: a mixed step computes prompt chunks and one token per running sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+
+class _Member:
+    __slots__ = ("end_step", "first_step", "req")
+
+    def __init__(self, req, first_step: int, end_step: int):
+        self.req, self.first_step, self.end_step = req, first_step, end_step
+
+
+class _Local:
+    __slots__ = ("done", "order", "req")
+
+    def __init__(self, req, order: int):
+        self.req, self.done, self.order = req, 0, order
+
+
+class DecodeWorker:
+    def __init__(self, sim, wid: int):
+        self.sim, self.wid = sim, wid
+        self.name = f"decode-{wid}"
+        self.perf = sim.perf_decode
+        # the current segment: boundary after step k at time t, B members holding C KV tokens
+        self.k, self.t, self.C, self.B = 0, 0.0, 0, 0
+        self.a = self.b = 0.0
+        self.ends: list = []  # heap of (end_step, seq, member)
+        self._seq = 0
+        self.pending_first: list[_Member] = []  # joined at this boundary: first token at step k + 1
+        self.version = 0
+        self.arriving = 0  # claimed, KV on its way
+        self.reserved = 0  # KV tokens of claimed requests not yet in the batch
+        self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
+        self.joining: list = []  # KV arrived while stepping: join at the next step
+        self.stepping = False
+        self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
+        self._order = 0
+        self.segments: list | None = [] if sim.record_itl else None
+
+    # -- room and claims ---------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        w = self.sim.worker_cfg
+        held = self.B + self.arriving + len(self.local) + len(self.joining)
+        if held >= w.max_running:
+            return False
+        return (self.C + self.reserved) / self.perf.kv_capacity_tokens < w.kv_watermark
+
+    def claim_while_room(self, limit: int = 1 << 30) -> None:
+        """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
+        sim = self.sim
+        q, now = sim.decode_q, sim.loop.now
+        while q.size and limit > 0 and self.has_room():
+            limit -= 1
+            req, prefill_end = q.claim()
+            self.reserved += req.prompt_tokens
+            if prefill_end is not None and now - prefill_end <= 0.8 * sim.kv_lease_s:
+                self.arriving += 1
+                sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
+            else:
+                self._order += 1
+                self.local.append(_Local(req, self._order))
+                if not self.stepping:
+                    self._align(now)
+                    self.stepping = True
+                    self.version += 1  # the scheduled completion belongs to the closed-form mode
+                    self._start_mixed()
+        sim.note_room(self, sim.decode_ready)
+
+    def _kv_arrived(self, req) -> None:
+        self.arriving -= 1
+        if self.stepping:
+            self.joining.append(req)
+            return
+        self._align(self.sim.loop.now)
+        self._join(req)
+        self._reschedule()
+        self.claim_while_room()  # members that finished at the boundary made room
+
+    # -- closed-form batch ---------------------------------------------------------------
+
+    def _T(self, n: int) -> float:
+        return self.t + n * self.a + self.b * (n * self.C + self.B * n * (n - 1) / 2)
+
+    def _steps_by(self, now: float) -> int:
+        """Whole steps of the current segment completed by `now`."""
+        dt = now - self.t
+        if dt <= 0 or self.B == 0:
+            return 0
+        alpha, beta = self.b * self.B / 2, self.a + self.b * self.C - self.b * self.B / 2
+        if alpha <= 0:
+            n = int(dt / beta) if beta > 0 else 0
+        else:
+            n = int((-beta + math.sqrt(beta * beta + 4 * alpha * dt)) / (2 * alpha))
+        while self._T(n + 1) <= now:
+            n += 1
+        while n > 0 and self._T(n) > now:
+            n -= 1
+        return n
+
+    def _align(self, now: float) -> None:
+        """Move the boundary to where a change made at `now` takes effect: the end of the step in progress."""
+        if self.B == 0:
+            self.t = max(self.t, now)  # an idle engine starts at once
+            return
+        if now <= self.t:
+            return  # already at a (future) boundary
+        n = self._steps_by(now)
+        self._advance(n if self._T(n) == now else n + 1)
+
+    def _advance(self, n: int) -> None:
+        if n <= 0:
+            return
+        first = self._T(1)
+        for m in self.pending_first:
+            m.req.first_t = first
+        self.pending_first.clear()
+        if self.segments is not None:
+            self.segments.append((self.k, self.t, self.C, self.B, self.a, self.b))
+        t_new = self._T(n)
+        self.k += n
+        self.C += self.B * n
+        self.t = t_new
+        ends = self.ends
+        while ends and ends[0][0] <= self.k:
+            _end, _s, m = heapq.heappop(ends)
+            self._leave(m, t_new)
+
+    def _leave(self, m: _Member, t_done: float) -> None:
+        req = m.req
+        self.B -= 1
+        self.C -= req.prompt_tokens + req.max_tokens
+        req.done_t = t_done
+        if self.segments is not None:
+            req.itl_s = self._itls(m.first_step, m.end_step)
+        self.sim.on_done(req)
+
+    def _join(self, req, produced: int = 0) -> None:
+        """Add a member at the current boundary; `produced` = tokens it already has (1 after a local prefill)."""
+        self.reserved -= req.prompt_tokens
+        first_step = self.k + 1 - produced
+        end_step = first_step + req.max_tokens - 1
+        if end_step <= self.k:  # a one-token request finished with its prefill
+            req.done_t = req.first_t
+            self.sim.on_done(req)
+            return
+        m = _Member(req, first_step, end_step)
+        self._seq += 1
+        heapq.heappush(self.ends, (end_step, self._seq, m))
+        self.B += 1
+        self.C += req.prompt_tokens + produced
+        if not produced:
+            self.pending_first.append(m)
+
+    def _reschedule(self) -> None:
+        self.version += 1
+        if self.B == 0:
+            return
+        self.a, self.b = self.perf.decode_coeffs(self.B, self.C)
+        self.sim.loop.at(self._T(self.ends[0][0] - self.k), self._on_complete, self.version)
+
+    def _on_complete(self, version: int) -> None:
+        if version != self.version:
+            return  # the batch changed since this completion was scheduled
+        self._advance(self.ends[0][0] - self.k)
+        self._reschedule()
+        self.claim_while_room()
+
+    # -- stepped mode: steps that prefill -------------------------------------------------------
+
+    def _start_mixed(self) -> None:
+        for req in self.joining:
+            self._join(req)
+        self.joining.clear()
+        budget = self.perf.max_step_tokens - self.B
+        started = [h for h in self.local if h.done]
+        waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
+        chunks, work = [], []
+        for h in started + waiting:
+            if budget <= 0:
+                break
+            n = min(budget, h.req.prompt_tokens - h.done)
+            chunks.append((h.done, n))
+            work.append((h, n))
+            budget -= n
+        if self.B:
+            dur = self.perf.mixed_step_s(chunks, self.B, self.C)
+        else:
+            dur = self.perf.prefill_step_s(chunks)
+        if self.segments is not None:
+            self.segments.append((self.k, self.t, 0, 0, dur, 0.0))
+        self.sim.loop.at(self.t + dur, self._mixed_done, work)
+
+    def _mixed_done(self, work) -> None:
+        now = self.sim.loop.now
+        for m in self.pending_first:
+            m.req.first_t = now
+        self.pending_first.clear()
+        self.k += 1
+        self.C += self.B
+        self.t = now
+        ends = self.ends
+        while ends and ends[0][0] <= self.k:
+            self._leave(heapq.heappop(ends)[2], now)
+        for h, n in work:
+            h.done += n
+            if h.done >= h.req.prompt_tokens:
+                self.local.remove(h)
+                req = h.req
+                req.prefill_end = now
+                req.first_t = now  # the step that finishes a prompt samples its first token
+                self._join(req, produced=1)
+        self.claim_while_room()
+        if self.local or self.joining:
+            self._start_mixed()
+            return
+        self.stepping = False
+        self._reschedule()
+
+    # -- per-token times (small runs) ----------------------------------------------------------
+
+    def _itls(self, first_step: int, end_step: int) -> list[float]:
+        """Gaps between this member's token times, from the recorded segments (closed form within each)."""
+        segs = self.segments
+        times = []
+        i = len(segs) - 1
+        for step in range(end_step, first_step - 1, -1):
+            while i > 0 and segs[i][0] >= step:
+                i -= 1
+            k0, t0, c0, b0, a, b = segs[i]
+            n = step - k0
+            times.append(t0 + n * a + b * (n * c0 + b0 * n * (n - 1) / 2))
+        times.reverse()
+        return [y - x for x, y in itertools.pairwise(times)]

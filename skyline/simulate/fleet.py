@@ -1,0 +1,242 @@
+"""One simulated fleet: gateway, tier streams, prefill and decode workers, on one virtual clock.
+
+The gateway does what `gateway/prepare.py`, `gateway/app.py` and
+`gateway/admission.py` do with each request, calling the same policy:
+`resolve_slo` (tier and targets; the client's per-class targets arrive as
+x-slo-ttft-ms / x-slo-tpot-ms headers, as `skyline bench` sends them),
+`route` (with the prefill backlog the gateway's FleetView cached at its last
+refresh), and `admit` (backlog of the request's stage and tier, prefill
+throughput of the live pool from the workers' heartbeats via
+`gateway.admission.pool_rate`). A refused request is a 429, as in the bench.
+
+Workers waiting for work queue in arrival order, as consumers blocked in
+XREADGROUP do: an entry goes to the longest-waiting worker with room; a
+worker that frees room claims while it has some (`prefill_worker.py`,
+`decode_worker.py`).
+
+Not modelled: Redis and network failures, cancellation by clients, the
+worker's stream reclaim (XAUTOCLAIM), heartbeat loss. The fleet's own hops
+(gateway, Redis, pub/sub: 4 ms measured by `skyline bench overhead`) are added
+to every token time as one constant.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from skyline.config import SkylineConfig
+from skyline.gateway.admission import policy_of, pool_rate, stage_of
+from skyline.scheduler.admission import FleetLoad, admit
+from skyline.scheduler.disagg import DisaggPolicy, route
+from skyline.scheduler.preemption import PreemptionPolicy
+from skyline.scheduler.tiers import resolve_slo
+from skyline.simulate.decode_worker import DecodeWorker
+from skyline.simulate.events import EventLoop
+from skyline.simulate.perf import PerfModel
+from skyline.simulate.prefill_worker import PrefillWorker
+from skyline.simulate.queues import StageQueues
+from skyline.simulate.request import SimRequest
+
+FLEET_OVERHEAD_S = 0.004  # `skyline bench overhead`: added TTFT p50 of gateway -> Redis -> workers -> pub/sub
+PREEMPT_CHECK_S = 0.05  # a full prefill worker re-checks the tier heads at 20 Hz (workers/runtime.py)
+FLEET_REFRESH_S = 1.0  # workers heartbeat their measured rate every second; the gateway reads them
+RATES_PER_REFRESH = 8  # meters read per refresh: bounds the cost of a 500-worker pool (documented staleness)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    mode: str  # "disagg" or "colocated"
+    prefill: int  # prefill workers (0 when colocated)
+    decode: int
+
+    def devices(self, perf_prefill: PerfModel, perf_decode: PerfModel) -> int:
+        return self.prefill * perf_prefill.devices + self.decode * perf_decode.devices
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P+{self.decode}D" if self.mode == "disagg" else f"{self.decode} colocated"
+
+
+class Simulation:
+    def __init__(self, cfg: SkylineConfig, fleet: FleetSpec, perf_prefill: PerfModel, perf_decode: PerfModel,
+                 record_itl: bool = False, allow_demotion: bool = False, overhead_s: float = FLEET_OVERHEAD_S):
+        if fleet.mode not in ("disagg", "colocated"):
+            raise ValueError(f"unknown fleet mode {fleet.mode!r}")
+        if fleet.decode < 1 or (fleet.mode == "disagg" and fleet.prefill < 1):
+            raise ValueError(f"a {fleet.mode} fleet needs workers: got {fleet.label}")
+        self.cfg, self.fleet = cfg, fleet
+        self.worker_cfg = cfg.worker
+        self.perf_prefill, self.perf_decode = perf_prefill, perf_decode
+        self.record_itl, self.allow_demotion, self.overhead_s = record_itl, allow_demotion, overhead_s
+        self.kv_lease_s = cfg.engine.kv_lease_s
+        self.loop = EventLoop()
+        self.tiers = cfg.tiers
+        order = tuple(t.name for t in sorted(cfg.tiers, key=lambda t: t.ttft_ms))
+        self.tier_rank = {name: i for i, name in enumerate(order)}
+        self.prefill_q = StageQueues("prefill", order)
+        self.decode_q = StageQueues("decode", order)
+        self.admission = policy_of(cfg) if cfg.gateway.admission else None
+        g = cfg.gateway
+        self.disagg = DisaggPolicy(fleet.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
+        self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
+        self.prefill_workers = [PrefillWorker(self, i) for i in range(fleet.prefill if fleet.mode == "disagg" else 0)]
+        self.decode_workers = [DecodeWorker(self, i) for i in range(fleet.decode)]
+        self.prefill_ready: deque = deque(self.prefill_workers)
+        self.decode_ready: deque = deque(self.decode_workers)
+        for w in self.prefill_workers + self.decode_workers:
+            w.in_ready = True
+        # What the gateway's FleetView cached at its last refresh.
+        self.seen_rate: dict[str, float | None] = {"prefill": None, "decode": None}
+        self.seen_prefill_backlog = 0
+        self._refresh_next = 0
+        # The heartbeats as the gateway's FleetView lists them (role, measured tokens/s), for pool_rate.
+        self._view = SimpleNamespace(workers=[SimpleNamespace(role="prefill", tokens_per_s=0.0)
+                                              for _ in self.prefill_workers]
+                                     + [SimpleNamespace(role="decode", tokens_per_s=0.0) for _ in self.decode_workers])
+        self._preempt_armed = False
+        self._slo_cache: dict = {}
+        self.counters = {"admitted": 0, "rejected": 0, "overloaded": 0, "demoted": 0, "preempted": 0,
+                         "completed": 0, "handle_expired": 0}
+        self.completed = 0
+
+    # -- the gateway ------------------------------------------------------------------------------
+
+    def _slo(self, req: SimRequest):
+        """resolve_slo is pure and depends on arrival only through the deadline: memoised per class of request."""
+        key = (req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)
+        slo = self._slo_cache.get(key)
+        if slo is None:
+            ttft = max(1, round(req.ttft_target_ms)) if req.ttft_target_ms < float("inf") else None
+            tpot = max(1, round(req.tpot_target_ms)) if req.tpot_target_ms < float("inf") else None
+            slo = self._slo_cache[key] = resolve_slo(self.tiers, self.cfg.default_tier, 0, tier=req.requested_tier,
+                                                     ttft_ms=ttft, tpot_ms=tpot)
+        return slo
+
+    def arrive(self, req: SimRequest) -> None:
+        now = self.loop.now
+        slo = self._slo(req)
+        req.tier, req.priority = slo.tier, slo.priority
+        req.deadline = now + slo.ttft_ms / 1000
+        req.route = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
+        stage = stage_of(req.route)
+        q = self.prefill_q if stage == "prefill" else self.decode_q
+        if self.admission is not None:
+            load = FleetLoad(q.backlog, self.seen_rate[stage])
+            d = admit(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, load, self.allow_demotion)
+            if d.action in ("reject", "overloaded"):
+                self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
+                req.outcome = "rejected" if d.action == "reject" else "error"
+                req.decision = d.reason
+                return
+            if d.action == "demote":
+                tier = self.cfg.tier(d.tier)
+                req.tier, req.priority = tier.name, tier.priority
+                req.deadline = now + tier.ttft_ms / 1000
+                req.decision = "demote"
+                self.counters["demoted"] += 1
+        self.counters["admitted"] += 1
+        req.rank = self.tier_rank[req.tier]
+        q.reserve(req.tier, req.prompt_tokens)
+        q.push(req, (req, None))
+        if stage == "prefill":
+            self._dispatch(q, self.prefill_ready)
+            if q.size and self.preemption.enabled:
+                self._arm_preemption()
+        else:
+            self._dispatch(q, self.decode_ready)
+
+    def _dispatch(self, q: StageQueues, ready: deque) -> None:
+        """New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order)."""
+        while q.size and ready:
+            w = ready.popleft()
+            w.in_ready = False
+            if w.has_room():
+                w.claim_while_room(1)  # re-queues itself at the tail while it has room
+
+    def note_room(self, worker, ready: deque) -> None:
+        if not worker.in_ready and worker.has_room():
+            worker.in_ready = True
+            ready.append(worker)
+
+    def to_decode(self, req: SimRequest, kv_from_prefill: bool) -> None:
+        """A prefill worker hands the request (and its KV handle) to the decode stage."""
+        self.decode_q.push(req, (req, self.loop.now if kv_from_prefill else None))
+        self._dispatch(self.decode_q, self.decode_ready)
+
+    def on_done(self, req: SimRequest) -> None:
+        req.finish(self.overhead_s)
+        self.completed += 1
+        if req.route == "colocated":
+            self.decode_q.release(req.tier, req.prompt_tokens)  # colocated work leaves the backlog at its ack
+
+    # -- periodic fleet activity ----------------------------------------------------------------------
+
+    def _refresh(self, _arg=None) -> None:
+        """Heartbeats + the gateway's FleetView: measured prefill rates and the cached prefill backlog."""
+        pool = self.prefill_workers
+        if pool:
+            n = min(len(pool), RATES_PER_REFRESH)
+            for i in range(n):
+                w = pool[(self._refresh_next + i) % len(pool)]
+                w.rate_cache = (-1.0, 0.0)
+                w.tokens_per_s()
+            self._refresh_next = (self._refresh_next + n) % len(pool)
+        view = self._view
+        for w, info in zip(pool, view.workers):
+            info.tokens_per_s = w.rate_cache[1]
+        self.seen_rate = {"prefill": pool_rate(view, "prefill"), "decode": pool_rate(view, "decode")}
+        self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
+        self.loop.after(FLEET_REFRESH_S, self._refresh)
+
+    def _arm_preemption(self) -> None:
+        if not self._preempt_armed:
+            self._preempt_armed = True
+            self.loop.at(self.loop.now, self._preempt_tick)
+
+    def _preempt_tick(self, _arg=None) -> None:
+        """Every full prefill worker checks the EDF head (live: at 20 Hz while full)."""
+        self._preempt_armed = False
+        entry = self.prefill_q.head()
+        if entry is None:
+            return
+        head_rank = entry[0].rank
+        for w in self.prefill_workers:
+            if w.held and not w.has_room() and any(h.req.rank > head_rank for h in w.held):
+                w.maybe_preempt()
+        if self.prefill_q.size:
+            self._preempt_armed = True
+            self.loop.after(PREEMPT_CHECK_S, self._preempt_tick)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest], drain_s: float) -> float:
+        """Serve `requests` (sorted by send time); returns the bench's duration (first send to last
+        completion, or to the drain deadline when stragglers were cut)."""
+        if not requests:
+            return 0.0
+        self._refresh()
+        end = requests[-1].send_at + drain_s
+        self.loop.run(end, ((r.send_at, r) for r in requests), self.arrive)
+        finished = [r.done_t for r in requests if r.outcome == "ok"]
+        cut = any(r.outcome == "cancelled" for r in requests)
+        return end if cut or not finished else max(finished) + self.overhead_s
+
+    def describe(self) -> dict:
+        return {"fleet": self.fleet.label, "mode": self.fleet.mode, "prefill_workers": len(self.prefill_workers),
+                "decode_workers": len(self.decode_workers),
+                "devices": self.fleet.devices(self.perf_prefill, self.perf_decode), "counters": dict(self.counters)}
+
+
+def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
+                   max_running: int | None = None) -> SkylineConfig:
+    """The config the simulated fleet runs with, after command-line overrides."""
+    if admission is not None:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
+    worker = cfg.worker
+    if preemption is not None:
+        worker = replace(worker, preemption=preemption)
+    if max_running is not None:
+        worker = replace(worker, max_running=max_running)
+    return replace(cfg, worker=worker)

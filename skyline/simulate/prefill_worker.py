@@ -1,0 +1,142 @@
+"""A simulated prefill worker: the claim rule of `workers/runtime.py` around a stepped engine model.
+
+Claiming (as the live worker): while it holds fewer than `max_running`
+prompts and fewer than `prefill_token_budget` prompt tokens, it claims the
+EDF head of the prefill stage. The engine (as vLLM with priority
+scheduling and chunked prefill) runs steps of at most `max_step_tokens`
+tokens: prompts it has started keep their share of the step first, then
+waiting prompts by priority, then claim order. A finished prompt is timed
+into the worker's `ThroughputMeter` (the live meter class), acked (its
+tokens leave the backlog) and handed to the decode stage.
+
+Fleet-level preemption calls `scheduler.preemption.choose_victims` with
+what the live worker passes: every prompt it holds (full prompt length as
+the remaining work), the waiting EDF head, its measured tokens/s.
+"""
+
+from __future__ import annotations
+
+from skyline.scheduler.preemption import Running, Waiting, choose_victims
+from skyline.scheduler.throughput import ThroughputMeter
+
+
+class _Held:
+    __slots__ = ("aborted", "claimed_at", "done", "order", "req")
+
+    def __init__(self, req, order: int, now: float):
+        self.req, self.done, self.order, self.aborted, self.claimed_at = req, 0, order, False, now
+
+
+class PrefillWorker:
+    def __init__(self, sim, wid: int):
+        self.sim, self.wid = sim, wid
+        self.name = f"prefill-{wid}"
+        self.held: list[_Held] = []
+        self.tokens_held = 0
+        self.stepping = False
+        self.meter = ThroughputMeter()
+        self.rate_cache = (-1.0, 0.0)  # (refreshed at, tokens/s): the live worker reads its meter per heartbeat
+        self._order = 0
+        self.busy_s = 0.0
+        self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
+
+    # -- claiming ------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        w = self.sim.worker_cfg
+        return len(self.held) < w.max_running and self.tokens_held < w.prefill_token_budget
+
+    def claim_while_room(self, limit: int = 1 << 30) -> None:
+        """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
+        q = self.sim.prefill_q
+        while q.size and limit > 0 and self.has_room():
+            limit -= 1
+            req, _ = q.claim()
+            self._order += 1
+            self.held.append(_Held(req, self._order, self.sim.loop.now))
+            self.tokens_held += req.prompt_tokens
+            if not req.prefill_start:
+                req.prefill_start = self.sim.loop.now
+        if not self.stepping and self.held:
+            self._start_step()
+        self.sim.note_room(self, self.sim.prefill_ready)
+
+    # -- engine steps ------------------------------------------------------------------
+
+    def _start_step(self) -> None:
+        budget = self.sim.perf_prefill.max_step_tokens
+        if len(self.held) == 1:
+            order = self.held  # the common case in a fleet with spare prefill capacity
+        else:
+            order = [h for h in self.held if h.done]
+            order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
+        chunks, work = [], []
+        for h in order:
+            if budget <= 0:
+                break
+            n = min(budget, h.req.prompt_tokens - h.done)
+            chunks.append((h.done, n))
+            work.append((h, n))
+            budget -= n
+        dur = self.sim.perf_prefill.prefill_step_s(chunks)
+        self.stepping = True
+        self.busy_s += dur
+        self.sim.loop.after(dur, self._step_done, work)
+
+    def _step_done(self, work) -> None:
+        self.stepping = False
+        now = self.sim.loop.now
+        for h, n in work:
+            if h.aborted:
+                continue  # preempted during the step: its work is lost
+            h.done += n
+            if h.done >= h.req.prompt_tokens:
+                self._finish(h, now)
+        self.claim_while_room()
+        if not self.stepping and self.held:
+            self._start_step()
+
+    def _finish(self, h: _Held, now: float) -> None:
+        req = h.req
+        self.held.remove(h)
+        self.tokens_held -= req.prompt_tokens
+        req.prefill_end = now
+        self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
+        self.sim.prefill_q.release(req.tier, req.prompt_tokens)  # ack: off the backlog
+        self.sim.to_decode(req, kv_from_prefill=True)
+
+    # -- fleet-level preemption ---------------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        now = self.sim.loop.now
+        at, rate = self.rate_cache
+        if now - at >= self.sim.worker_cfg.heartbeat_s:
+            rate = self.meter.tokens_per_s(int(now * 1000)) or 0.0
+            self.rate_cache = (now, rate)
+        return rate or self.sim.worker_cfg.prior_prefill_tokens_per_s
+
+    def maybe_preempt(self) -> int:
+        """Abort what keeps the EDF head from its deadline; returns how many were preempted."""
+        sim = self.sim
+        entry = sim.prefill_q.head()
+        if entry is None or not self.held:
+            return 0
+        head = entry[0]
+        running = [Running(str(h.order), h.req.rank, int(h.req.deadline * 1000), h.req.prompt_tokens,
+                           h.req.preemptions) for h in self.held]
+        waiting = Waiting(head.rank, int(head.deadline * 1000), head.prompt_tokens)
+        victims = choose_victims(sim.preemption, running, waiting, int(sim.loop.now * 1000), self.tokens_per_s())
+        if not victims:
+            return 0
+        chosen = set(victims)
+        for h in [h for h in self.held if str(h.order) in chosen]:
+            h.aborted = True
+            self.held.remove(h)
+            self.tokens_held -= h.req.prompt_tokens
+            h.req.preemptions += 1
+            sim.counters["preempted"] += 1
+            # Re-queued with its original arrival and deadline; enqueue adds its tokens to the
+            # backlog and the ack of the old entry removes them: no net change.
+            sim.prefill_q.push(h.req, (h.req, None))
+        self.claim_while_room()
+        return len(victims)
