@@ -29,11 +29,12 @@ from skyline import messages, redisconn
 from skyline.config import SkylineConfig
 from skyline.gateway.admission import apply_admission, policy_of, stage_of
 from skyline.gateway.batch_routes import batch_router
-from skyline.gateway.errors import ApiError, install_handlers
+from skyline.gateway.dashboard import add_dashboard_routes
+from skyline.gateway.errors import ApiError, HeaderLimit, install_handlers
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
-from skyline.gateway.observe import GatewayObserver, add_timeline_route
-from skyline.gateway.dashboard import add_dashboard_routes
+from skyline.gateway.observe import GatewayObserver, add_timeline_route, api_key_of
+from skyline.gateway.ratelimit import KeyRateLimiter
 from skyline.gateway.prepare import Prepared, Serving, check_auth, needed_roles, parse, prepare, read_body
 from skyline.gateway.relay import Relay, RelayUnavailable
 from skyline.gateway.responses import DONE, Shaper, error_event
@@ -41,6 +42,7 @@ from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from skyline.gateway.session import Disconnected, Session
 from skyline.keys import Keys
 from skyline.scheduler.disagg import route
+from skyline.scheduler.rate_limit import RateLimit
 from skyline.streams import enqueue, ensure_groups, now_ms, release_backlog
 from skyline.tokenizer import Tokenizer
 
@@ -67,6 +69,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
     metrics = GatewayMetrics()
     observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record
     admission_policy = policy_of(cfg)
+    rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
     state = _State()
     started = int(time.time())
 
@@ -100,6 +103,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
 
     app = FastAPI(title="Skyline gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
+    app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
     app.include_router(batch_router(cfg, lambda: state.redis))  # OpenAI Batch API (gateway/batch_routes.py)
 
     async def generate(request: Request, kind: str) -> Response:
@@ -108,6 +112,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
         prep: Prepared | None = None
         try:
             check_auth(request, cfg.gateway.api_keys)
+            rate_limiter.check(api_key_of(request))  # before any work: a flooding tenant costs the least
             raw = await read_body(request, cfg.gateway.max_body_bytes)
             body = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
             prep = await prepare(serving, kind, body, request, arrival_ms, t_arrival)

@@ -134,3 +134,24 @@ def install_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return ApiError(500, "internal error in the Skyline gateway (see its log)", code="internal_error").response()
+
+
+class HeaderLimit:
+    """ASGI middleware: refuse requests whose headers exceed `max_bytes` in total
+    with 431 in the OpenAI error shape, before any route (or body read) runs.
+    The HTTP server's own limits are far larger (httptools sets none), and every
+    header is held in memory for the life of the request."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.max_bytes > 0:
+            size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+            if size > self.max_bytes:
+                resp = ApiError(431, f"request headers are {size} bytes; the limit is {self.max_bytes}",
+                                type="invalid_request_error", code="headers_too_large").response()
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-persistence", choices=["none", "aof"], default="none")
     up.add_argument("--api-key", action="append", help="require this API key (repeatable)")
     up.add_argument("--metrics-port-base", type=int, default=9100,
-                    help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); 0 = free ports")
+                    help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); "
+                         "0 = free ports")
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _common(gw)

@@ -109,7 +109,13 @@ class GatewayConfig:
     min_remote_prefill_tokens: int = 0  # disagg: shorter prompts are prefilled on the decode worker
     max_prefill_backlog_tokens: int = 0  # disagg: beyond this prefill backlog, prefill on the decode worker (0 = never)
     api_keys: tuple[str, ...] = ()  # empty = no authentication
+    api_key_file: str = ""  # more keys, one per line (# comments); read at start, added to api_keys
+    # Per-API-key request rate (GCRA: `rate_limit_rps` sustained, bursts of
+    # `rate_limit_burst`); over it: 429 + Retry-After. 0 = no limit. Per gateway process.
+    rate_limit_rps: float = 0.0
+    rate_limit_burst: int = 10
     max_body_bytes: int = 1_000_000
+    max_header_bytes: int = 32_768  # all request headers together; larger -> 431
     max_tokens_default: int = 256  # `max_tokens` when the request omits it (capped by context)
     request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
     first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
@@ -217,9 +223,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         if key in data:
             changes[key] = data[key]
     cfg = replace(cfg, **changes)
+    if cfg.gateway.api_key_file:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, api_keys=cfg.gateway.api_keys
+                                           + read_key_file(cfg.gateway.api_key_file)))
     if cfg.default_tier not in cfg.tier_names:
         raise ValueError(f"default_tier {cfg.default_tier!r} is not one of the tiers {cfg.tier_names}")
     return cfg
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """API keys from a file: one per line; blank lines and `#` comments ignored."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return tuple(k for k in (line.split("#", 1)[0].strip() for line in lines) if k)
 
 
 def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from skyline.config import SkylineConfig
-from skyline.redis_server import free_port, start_redis
+from skyline.redis_server import FLEET_USER, free_port, start_redis
 
 
 def _cores() -> list[int]:
@@ -109,6 +110,17 @@ def _wait_ready(url: str, procs: list, want: dict[str, int], timeout_s: float) -
     raise TimeoutError(f"fleet not ready after {timeout_s:.0f}s")
 
 
+def fleet_password(home: Path) -> str:
+    """The local fleet's Redis password: made once, kept in $SKYLINE_HOME (mode 0600)."""
+    path = home / "redis-fleet.password"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
 def _interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
@@ -122,8 +134,13 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     redis_proc = None
     if not args.redis_url and not os.environ.get("SKYLINE_REDIS_URL"):
-        redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log")
-        cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://127.0.0.1:{args.redis_port}/0"))
+        # The fleet connects as a restricted ACL user (no admin commands); the
+        # default user stays for an operator's `redis-cli` on this machine only.
+        password = fleet_password(home)
+        redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log",
+                                 fleet_password=password)
+        cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0"))
+        os.environ["SKYLINE_REDIS_PASSWORD"] = password  # children inherit it; never on a command line
     if cfg.engine.kind == "vllm":
         from skyline.model import resolve_model
 
@@ -180,6 +197,8 @@ def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
 
 
 def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, list[str]]]) -> None:
+    # The fleet connects as the restricted ACL user; an operator on this machine uses the default user.
+    admin_url = cfg.redis.url.replace(f"{FLEET_USER}:@", "")
     from skyline.cli import model_identity
 
     _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
@@ -188,12 +207,12 @@ def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, l
         f"""
 Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
   gateway   {url}   (OpenAI API: {url}/v1)
-  redis     {cfg.redis.url}   (redis-cli -u {cfg.redis.url} ...)
-  status    skyline status --redis-url {cfg.redis.url}
+  redis     {admin_url}   (redis-cli -u {admin_url} ...)
+  status    skyline status --redis-url {admin_url}
   dashboard {url}/dashboard
   metrics   {url}/metrics{_worker_metrics(plan)}
-  trace     skyline trace <request id> --redis-url {cfg.redis.url}
-  batches   skyline batch submit FILE.jsonl --gateway-url {url}   (one batch runner is running; rq info -u {cfg.redis.url})
+  trace     skyline trace <request id> --redis-url {admin_url}
+  batches   skyline batch submit FILE.jsonl --gateway-url {url}   (one batch runner is running; rq info -u {admin_url})
 
 Try it:
   curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\

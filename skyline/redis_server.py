@@ -61,19 +61,42 @@ def redis_server_args(port: int, data_dir: Path, persistence: str = "none", bind
     return args + list(extra)
 
 
+FLEET_USER = "skyline"
+# What the fleet's own processes may do: every data command on every key and
+# channel, and none of the admin or dangerous ones (CONFIG, FLUSHALL, SHUTDOWN,
+# ACL, DEBUG, KEYS, MONITOR, REPLICAOF, ...), except naming a connection, which
+# makes `redis-cli CLIENT LIST` readable, and CLIENT LIST and INFO, which RQ reads.
+FLEET_ACL = ("~*", "&*", "+@all", "-@admin", "-@dangerous", "+client|setname", "+client|getname", "+client|id",
+             "+client|list", "+info")
+
+
+def fleet_acl_file(data_dir: Path, password: str) -> Path:
+    """A redis.conf fragment defining the fleet's ACL user (file mode 0600: the
+    password stays off the command line, where `ps` would show it)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "fleet-acl.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"user {FLEET_USER} on >{password} {' '.join(FLEET_ACL)}\n")
+    return path
+
+
 def start_redis(port: int, data_dir: Path, persistence: str = "none", log_file: Path | None = None,
-                extra: tuple[str, ...] = ()) -> subprocess.Popen:
+                extra: tuple[str, ...] = (), fleet_password: str | None = None) -> subprocess.Popen:
     """Start redis-server on 127.0.0.1:`port` and wait until it answers PING.
 
     `persistence`: "none" (fastest; a restart loses queued work, which the
     fleet then reports as failed requests) or "aof" (appendfsync everysec: a
     restart keeps queued work, losing at most ~1 s of writes).
     `extra`: more redis-server arguments (e.g. cluster mode).
+    `fleet_password`: also define the fleet's restricted ACL user (FLEET_USER).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(redis_server_args(port, data_dir, persistence, extra=extra),
-                            stdout=out, stderr=subprocess.STDOUT)
+    args = redis_server_args(port, data_dir, persistence, extra=extra)
+    if fleet_password:  # a config file must come first on redis-server's command line
+        args.insert(1, str(fleet_acl_file(data_dir, fleet_password)))
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     wait_for_redis(port, proc)
     return proc
 

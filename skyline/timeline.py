@@ -64,7 +64,9 @@ Listener = Callable[[str, dict[str, Any]], None]
 @dataclass
 class TimelineEvent:
     event: str
-    t_ms: int  # Unix epoch milliseconds
+    # Unix epoch milliseconds, to the microsecond: events of different processes within the
+    # same millisecond still sort in the order they happened (one host, one clock).
+    t_ms: float
     who: str  # gateway or worker id
     fields: dict[str, Any] = field(default_factory=dict)
 
@@ -74,7 +76,7 @@ class TimelineEvent:
     @staticmethod
     def from_json(raw: bytes | str) -> TimelineEvent:
         d = json.loads(raw)
-        return TimelineEvent(str(d["event"]), int(d["t_ms"]), str(d.get("who", "")), dict(d.get("fields") or {}))
+        return TimelineEvent(str(d["event"]), float(d["t_ms"]), str(d.get("who", "")), dict(d.get("fields") or {}))
 
 
 class EventLine:
@@ -94,8 +96,9 @@ class EventLine:
         return f"{self.event} request_id={self.request_id} worker={self.worker}" + (f" {extra}" if extra else "")
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+def now_ms() -> float:
+    """Wall-clock Unix time in ms, to the microsecond."""
+    return round(time.time() * 1000, 3)
 
 
 def key_digest(api_key: str) -> str:
@@ -124,7 +127,7 @@ class Timeline:
         """Events lost because Redis did not take them."""
         return self.batcher.dropped
 
-    def emit(self, request_id: str, event: str, *, t_ms: int | None = None, who: str | None = None,
+    def emit(self, request_id: str, event: str, *, t_ms: float | None = None, who: str | None = None,
              **fields: Any) -> None:
         """Record `event` now (or at `t_ms`): Redis (written within this loop turn), log, listeners.
         Never raises and never waits."""
@@ -155,7 +158,7 @@ class Timeline:
             pipe.expire(key, self.ttl_s)
         return sum(map(len, pending.values()))
 
-    async def record(self, request_id: str, event: str, *, t_ms: int | None = None, who: str | None = None,
+    async def record(self, request_id: str, event: str, *, t_ms: float | None = None, who: str | None = None,
                      **fields: Any) -> None:
         """`emit`, then wait until the event was written (or the write failed). Never raises."""
         self.emit(request_id, event, t_ms=t_ms, who=who, **fields)

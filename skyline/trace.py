@@ -51,13 +51,13 @@ def phase_durations(events: list[TimelineEvent]) -> list[dict]:
                     who.append(e.who)
                 start = None
         if count:
-            out.append({"phase": name, "ms": total, "count": count, "who": who})
+            out.append({"phase": name, "ms": round(total, 1), "count": count, "who": who})
     return out
 
 
 def _fields(fields: dict, t0: int) -> str:
     # Absolute times (deadline_ms) read better relative to the first event, like the rows.
-    return " ".join(f"{k}=+{v - t0:,}" if k == "deadline_ms" and isinstance(v, int) else f"{k}={_short(v)}"
+    return " ".join(f"{k}=+{v - t0:,.0f}" if k == "deadline_ms" and isinstance(v, (int, float)) else f"{k}={_short(v)}"
                     for k, v in fields.items())
 
 
@@ -76,7 +76,7 @@ def render(request_id: str, events: list[TimelineEvent]) -> str:
     t0 = events[0].t_ms
     span = max(1, events[-1].t_ms - t0)
     who_w = min(28, max(len(e.who) for e in events))
-    lines = [f"request {request_id}: {len(events)} events over {span:,} ms",
+    lines = [f"request {request_id}: {len(events)} events over {span:,.0f} ms",
              f"{'+ms':>8} {'took':>7}  {'':{BAR_WIDTH}}  {'event':<20} {'who':<{who_w}}  details"]
     prev = t0
     for e in events:
@@ -85,7 +85,7 @@ def render(request_id: str, events: list[TimelineEvent]) -> str:
         b = min(b, BAR_WIDTH)
         a = min(a, b - 1)
         bar = "·" * a + "█" * (b - a) + "·" * (BAR_WIDTH - b)
-        lines.append(f"{e.t_ms - t0:>8,} {e.t_ms - prev:>7,}  {bar}  {e.event:<20} {e.who[:who_w]:<{who_w}}  "
+        lines.append(f"{e.t_ms - t0:>8,.0f} {e.t_ms - prev:>7,.0f}  {bar}  {e.event:<20} {e.who[:who_w]:<{who_w}}  "
                      f"{_fields(e.fields, t0)}".rstrip())
         prev = e.t_ms
     phases = phase_durations(events)
@@ -93,7 +93,7 @@ def render(request_id: str, events: list[TimelineEvent]) -> str:
         lines += ["", "phases:"]
         for p in phases:
             times = f" ({p['count']} attempts)" if p["count"] > 1 else ""
-            lines.append(f"  {p['phase']:<26} {p['ms']:>8,} ms{times}  {', '.join(p['who'])}")
+            lines.append(f"  {p['phase']:<26} {p['ms']:>8,.0f} ms{times}  {', '.join(p['who'])}")
     return "\n".join(lines)
 
 

@@ -44,7 +44,8 @@ async def test_dashboard_renders_live_charts_tables_and_a_timeline(redis_url, ke
             for chart in CHARTS:
                 points = await page.wait_for(f"Number(document.getElementById('{chart}').dataset.points || 0)")
                 assert points > 0, chart
-            rows = await page.eval("[...document.querySelectorAll('#workers tr')].slice(1).map(r => r.cells[1].textContent)")
+            rows = await page.eval("[...document.querySelectorAll('#workers tr')].slice(1)"
+                                   ".map(r => r.cells[1].textContent)")
             assert sorted(rows) == ["decode", "prefill"]
             kpi = await page.eval("document.querySelector('#kpis .kpi span').textContent")
             assert "of 24 met" in kpi

@@ -126,3 +126,43 @@ def test_interactive_request_overtakes_queued_rag_prompts(client):
     print(f"interactive TTFT {ttfts['chat']:.2f} s; RAG TTFTs {[round(x, 1) for x in rag]}")
     assert len(rag) == 6, "every RAG prompt must still complete"
     assert ttfts["chat"] < rag[len(rag) // 2], "the interactive request should not wait behind the RAG burst"
+
+
+def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client, redis_url):
+    """Last in this module: it kills a decode worker. A second decode engine joins;
+    the one streaming a long greedy answer is killed -9; the other takes the
+    request over (prefills prompt + tokens so far, generates the rest) and the
+    client's stream continues: the whole text equals an undisturbed run."""
+    import signal
+    import time
+
+    import redis
+
+    from skyline.keys import Keys
+
+    prompt = "Write a long story about a lighthouse keeper and the sea."
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(**kw).choices[0].text
+    cores = sorted(os.sched_getaffinity(0))
+    fleet.start_worker("decode-1", "decode", "--cpu-bind", str(cores[0]))
+    fleet.wait_ready({"decode": 2}, timeout_s=600)
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(fleet.key_prefix)
+    text, ext, killed = "", {}, None
+    for i, chunk in enumerate(client.completions.create(**kw, stream=True)):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        ext = (chunk.model_extra or {}).get("skyline") or ext
+        if i == 8 and killed is None:
+            rid = chunk.id
+            killed = r.hget(keys.run(rid), "owner").decode()
+            proc = fleet.procs.pop(killed)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            t_kill = time.monotonic()
+    took = time.monotonic() - t_kill
+    assert killed is not None
+    assert ext["decode_attempts"] == 2 and ext["decode_worker"] != killed
+    print(f"migrated after token {ext['resumed_at_token']}; rest of the stream took {took:.1f} s")
+    assert text == want

@@ -6,6 +6,7 @@ owner-only when API keys are on; `skyline trace` renders what the route returns.
 """
 
 import asyncio
+import sys
 from dataclasses import replace
 
 import httpx
@@ -57,7 +58,7 @@ async def test_completed_request_has_every_phase_in_order_and_is_owner_only(redi
             resp = await client.completions.with_raw_response.create(model=MODEL, prompt="Hello " * 20, max_tokens=6)
             rid = resp.headers["x-skyline-request-id"]
             events = await wait_for_event(r, keys, rid, "responded")
-            assert in_order(events, COMPLETED), [e.event for e in events]
+            assert in_order(events, COMPLETED), " ".join(f"{e.event}@{e.t_ms % 100000}" for e in events)
             assert [e.t_ms for e in events] == sorted(e.t_ms for e in events)
             who = {e.event: e.who for e in events}
             assert who["prefill_started"] == "prefill-tl" and who["first_token"] == "decode-tl"
@@ -80,6 +81,11 @@ async def test_completed_request_has_every_phase_in_order_and_is_owner_only(redi
                 assert unknown.status_code == 404
             text = render(rid, [TimelineEvent(**e) for e in body["events"]])
             assert "prefill-tl" in text and "decode-tl" in text and "time to first token" in text
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "skyline.cli", "trace", rid, "--redis-url", redis_url, "--key-prefix", key_prefix,
+                stdout=asyncio.subprocess.PIPE)
+            out, _ = await cli.communicate()
+            assert cli.returncode == 0 and out.decode().strip() == text  # `skyline trace` prints the same waterfall
     finally:
         await stop_fleet(r, runtimes, tasks)
 

@@ -23,6 +23,7 @@ from skyline import messages
 from skyline.gateway.metrics import TimelineErrors
 from skyline.streams import now_ms
 from skyline.timeline import Timeline
+from skyline.timeline import now_ms as precise_ms
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -121,29 +122,36 @@ def claimed(rt: Any, stage: str, req: messages.GenerateRequest, entry_id: str) -
                      preemptions=req.preemptions)
 
 
-def prefill_done(rt: Any, req: messages.GenerateRequest, work: messages.DecodeWork, handed_off: bool) -> None:
-    """After the hand-off: `prefill_finished`, then `kv_handle_published` (unless another attempt won)."""
-    tl = rt.timeline
-    tl.emit(req.request_id, "prefill_finished", t_ms=work.prefill_finished_ms, tier=req.tier,
-            ms=work.prefill_finished_ms - work.prefill_started_ms, prompt_tokens=len(req.prompt_token_ids))
-    if handed_off:  # stamped before the XADD went out, so no decode claim can look earlier
-        tl.emit(req.request_id, "kv_handle_published", t_ms=work.prefill_finished_ms, stage="decode", tier=req.tier,
-                handle_bytes=len(messages.encode(work)) if work.kv_handle else 0)
+def prefill_finished(rt: Any, req: messages.GenerateRequest, work: messages.DecodeWork) -> float:
+    """`prefill_finished`, stamped now; returns the stamp for `handle_published`."""
+    t = precise_ms()
+    rt.timeline.emit(req.request_id, "prefill_finished", t_ms=t, tier=req.tier,
+                     ms=work.prefill_finished_ms - work.prefill_started_ms, prompt_tokens=len(req.prompt_token_ids))
+    return t
+
+
+def handle_published(rt: Any, req: messages.GenerateRequest, work: messages.DecodeWork, t_ms: float,
+                     handed_off: bool) -> None:
+    """After the hand-off: `kv_handle_published`, stamped `t_ms` (taken before the XADD, so no
+    decode claim can look earlier); nothing when another attempt of the request handed it off."""
+    if handed_off:
+        rt.timeline.emit(req.request_id, "kv_handle_published", t_ms=t_ms, stage="decode", tier=req.tier,
+                         handle_bytes=len(messages.encode(work)) if work.kv_handle else 0)
 
 
 def first_token(rt: Any, req: messages.GenerateRequest, started_ms: int, pulled_kv: bool) -> int:
     """Now, recorded as the request's `first_token` (decode: the first output chunk), preceded
     by `kv_transfer` when the prompt's KV was pulled from a prefill engine: the engine does not
     report the pull alone, so its time is submit-to-first-token (pull + first decode step)."""
-    t = now_ms()
+    t = precise_ms()
     if pulled_kv:
-        fields: dict[str, Any] = {"ms": t - started_ms, "tokens": len(req.prompt_token_ids)}
+        fields: dict[str, Any] = {"ms": round(t - started_ms, 1), "tokens": len(req.prompt_token_ids)}
         per_token = getattr(rt.engine, "kv_bytes_per_token", None)
         if per_token:
             fields["bytes"] = per_token * len(req.prompt_token_ids)
         rt.timeline.emit(req.request_id, "kv_transfer", t_ms=t, **fields)
-    rt.timeline.emit(req.request_id, "first_token", t_ms=t, ttft_ms=t - req.arrival_ms)
-    return t
+    rt.timeline.emit(req.request_id, "first_token", t_ms=t, ttft_ms=round(t - req.arrival_ms, 1))
+    return int(t)
 
 
 def decode_done(rt: Any, final: messages.Finished, done_ms: int) -> None:

@@ -36,7 +36,7 @@ class PrefillHandler:
             await self.rt.fail(claimed, 500, f"prefill stream carried a {type(req).__name__}, expected a request")
             return
         started = now_ms()
-        self.rt.timeline.emit(req.request_id, "prefill_started", t_ms=started, prompt_tokens=len(req.prompt_token_ids))
+        self.rt.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
         result = await self.rt.engine.prefill(engine_request(req))
         self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
@@ -44,6 +44,7 @@ class PrefillHandler:
             prefill_started_ms=started, prefill_finished_ms=now_ms(),
         )
         stream = self.rt.keys.stream("decode", req.tier)
+        t_handoff = observe.prefill_finished(self.rt, req, work)
         entry = await self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
                                             self.rt.cfg.redis.stream_maxlen)
         if entry is None:
@@ -51,6 +52,6 @@ class PrefillHandler:
             # were slow, or delivered twice) handed it off first. Our KV blocks are
             # never pulled; the engine frees them when their lease expires.
             log.warning("%s was already handed off by another attempt; dropping this one", req.request_id)
-        observe.prefill_done(self.rt, req, work, handed_off=entry is not None)
+        observe.handle_published(self.rt, req, work, t_handoff, handed_off=entry is not None)
         await self.rt.queues.ack(claimed)
         log.debug("prefilled %s (%d tokens) in %d ms", req.request_id, result.prompt_tokens, work.prefill_finished_ms - started)
