@@ -45,8 +45,8 @@ class Outcome:
         return self.status == 200
 
 
-def minute_of(t_ms: int) -> int:
-    return t_ms // 60_000
+def minute_of(t_ms: float) -> int:
+    return int(t_ms // 60_000)
 
 
 class SloRecorder:

@@ -37,3 +37,14 @@ async def stop_fleet(client, runtimes, tasks, timeout_s: float = 20) -> None:
         rt.stopping.set()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
     await client.aclose()
+
+
+async def wait_registered(client, key_prefix: str, n: int = 2, timeout_s: float = 10) -> None:
+    """Until `n` workers heartbeat (a gateway refuses requests for roles it has not seen yet)."""
+    from skyline.fleet import list_workers
+
+    for _ in range(int(timeout_s / 0.05)):
+        if len(await list_workers(client, Keys(key_prefix), liveness_s=60)) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"fewer than {n} workers registered within {timeout_s} s")

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import redis
@@ -118,11 +119,20 @@ def test_decode_worker_killed_mid_stream_migrates_without_gap_or_duplicate(make_
         t0 = time.monotonic()
         text, ext, gap = stream_text(client, 60, on_chunk=kill_holder)
         elapsed = time.monotonic() - t0
+        time.sleep(0.3)  # timeline writes are batched every few ms
+        timeline = httpx.get(f"{fleet.url}/v1/requests/{ext['request_id']}/timeline", timeout=5).json()
 
     assert killed, "the stream ended before the kill"
     assert text == want  # every token once, in order
     assert ext["decode_worker"] != killed[0] and ext["decode_attempts"] == 2
     assert ext["resumed_at_token"] >= 10
+    # The timeline tells the story, in order, each event from the process that saw it.
+    events = [(e["event"], e["who"]) for e in timeline["events"]]
+    story = ["arrived", "enqueued", "prefill_started", "kv_handle_published", "decode_claimed", "first_token",
+             "reclaimed", "decode_claimed", "migrated", "finished", "responded"]
+    it = iter(name for name, _ in events)
+    assert all(any(n == e for e in it) for n in story), events
+    assert ("reclaimed", ext["decode_worker"]) in events and ("migrated", ext["decode_worker"]) in events
     # Bound: the takeover waits for the silence to exceed reclaim_after_s, then re-prefills.
     assert gap < RECLAIM_AFTER_S + 3.0, gap
     assert elapsed < 60 * 0.04 + RECLAIM_AFTER_S + 5.0

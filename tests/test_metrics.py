@@ -21,7 +21,7 @@ from skyline.status import WIDTH, render, snapshot
 from skyline.timeline import read_timeline
 from skyline.tokenizer import SimTokenizer
 from skyline.workers.engines.sim import SimTiming
-from tests.inprocess import start_fleet, stop_fleet
+from tests.inprocess import start_fleet, stop_fleet, wait_registered
 
 MODEL = "skyline-sim"
 # 5 ms per decode step: a TPOT target of 1 ms can never be met, the tiers' own targets always are.
@@ -50,6 +50,7 @@ def value(sm: dict, name: str, **labels) -> float:
 
 async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_url, key_prefix):
     cfg, r, runtimes, tasks = await start_fleet(redis_url, key_prefix, TIMING, "m")
+    await wait_registered(r, key_prefix)
     prefill_rt, decode_rt = runtimes
     try:
         with GatewayThread(cfg, SimTokenizer(), MODEL, 4096) as gw:
@@ -67,7 +68,7 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
                         records.append(build_record("skyline", 1.0, req, 0.0, rec, (target.ttft_ms, tpot_ms)))
                         index += 1
                 report = summarize(records, duration_s=1.0)
-                assert report["ok"] == 9
+                assert report["ok"] == 9, [(r.outcome, r.http_status, r.error[:200]) for r in records if r.outcome != "ok"]
                 await asyncio.sleep(0.1)  # the last request's SLO record is written right after its answer
                 sm = samples((await http.get("/metrics")).text)
                 dash = (await http.get("/dashboard/data")).json()
@@ -84,7 +85,7 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
             assert value(sm, "skyline_gateway_tpot_seconds_count", tier=tier) == n  # every output has > 1 token
             assert value(sm, "skyline_gateway_slo_met_total", tier=tier) == attained
             assert value(sm, "skyline_gateway_slo_missed_total", tier=tier) == n - attained
-            assert dash["attainment_5m"][tier]["met"] == attained and dash["attainment_5m"][tier]["done"] == n
+            assert dash["attainment_5m"][tier]["met"] == attained and dash["attainment_5m"][tier]["done"] == n, (dash["attainment_5m"], dash["minutes"][-2:])
         assert report["by_tier"]["standard"]["attained"] == 4 and report["by_tier"]["interactive"]["attained"] == 0
         assert report["attained"] == 6 == dash["attainment_5m"]["all"]["met"]
         # TPOT of the 5 ms decode steps lands between the 2.5 ms and 10 ms bucket bounds.
@@ -186,3 +187,15 @@ def test_kv_bytes_per_token_from_the_model_shape():
     llm = SimpleNamespace(model_config=mc, vllm_config=SimpleNamespace(parallel_config=None))
     assert _kv_bytes_per_token(llm) == 46_080
     assert _kv_bytes_per_token(SimpleNamespace()) is None  # an API it does not know: no bytes, no crash
+
+
+def test_minute_keys_are_whole_minutes_even_for_sub_millisecond_times():
+    from skyline.slo_record import attainment, minute_of
+
+    assert minute_of(1_796_083_046_778.123) == 29_934_717 == minute_of(1_796_083_046_778)
+    assert Keys("s").slo_minute(minute_of(1_796_083_046_778.5)) == "s:slo:29934717"
+    minutes = [{"minute": 1, "tiers": {"a": {"done": 3, "met": 2, "ttft_met": 3, "errors": 1}}},
+               {"minute": 2, "tiers": {"a": {"done": 1, "met": 1, "ttft_met": 1, "errors": 0},
+                                       "b": {"done": 2, "met": 0, "ttft_met": 0, "errors": 2}}}]
+    assert attainment(minutes, "a") == {"done": 4, "met": 3, "ttft_met": 4, "errors": 1, "attainment": 0.75}
+    assert attainment(minutes)["attainment"] == 0.5 and attainment([], "a")["attainment"] is None

@@ -18,7 +18,7 @@ from skyline.timeline import TimelineEvent, read_timeline
 from skyline.tokenizer import SimTokenizer
 from skyline.trace import render
 from skyline.workers.engines.sim import SimTiming
-from tests.inprocess import start_fleet, stop_fleet
+from tests.inprocess import start_fleet, stop_fleet, wait_registered
 
 MODEL = "skyline-sim"
 FAST = SimTiming(prefill_base_s=0.002, prefill_per_token_s=0.0, decode_base_s=0.005, decode_per_seq_s=0.0)
@@ -51,6 +51,7 @@ def gateway(cfg, **gw_options):
 
 async def test_completed_request_has_every_phase_in_order_and_is_owner_only(redis_url, key_prefix):
     cfg, r, runtimes, tasks = await start_fleet(redis_url, key_prefix, FAST, "tl")
+    await wait_registered(r, key_prefix)
     keys = Keys(key_prefix)
     try:
         with gateway(cfg, api_keys=("key-a", "key-b")) as gw:
@@ -93,6 +94,7 @@ async def test_completed_request_has_every_phase_in_order_and_is_owner_only(redi
 async def test_preempted_request_shows_the_preemption_and_the_second_prefill(redis_url, key_prefix):
     cfg, r, runtimes, tasks = await start_fleet(redis_url, key_prefix, SLOW_PREFILL, "pre", preemption=True,
                                                 prior_prefill_tokens_per_s=1000)
+    await wait_registered(r, key_prefix)
     keys = Keys(key_prefix)
     try:
         with gateway(cfg, admission=False) as gw:
@@ -125,6 +127,7 @@ async def test_preempted_request_shows_the_preemption_and_the_second_prefill(red
 async def test_cancelled_request_records_both_sides_of_the_cancellation(redis_url, key_prefix):
     slow_decode = SimTiming(prefill_base_s=0.002, prefill_per_token_s=0.0, decode_base_s=0.05, decode_per_seq_s=0.0)
     cfg, r, runtimes, tasks = await start_fleet(redis_url, key_prefix, slow_decode, "cx")
+    await wait_registered(r, key_prefix)
     keys = Keys(key_prefix)
     try:
         with gateway(cfg) as gw:

@@ -51,6 +51,8 @@ class DecodeHandler:
             await self.rt.queues.ack(claimed)
             return
         stream = _Stream(self, req, run)
+        if run.output:
+            self.rt.timeline.emit(req.request_id, "migrated", attempt=run.attempt, resumed_at_token=len(run.output))
         if run.output and req.sampling.seed is not None:
             await stream.fail(500, "the decode worker serving this request died mid-stream, and a request with a "
                                    "`seed` is not resumed on another engine (its random stream cannot be continued); "

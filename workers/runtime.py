@@ -203,6 +203,8 @@ class WorkerRuntime:
         for got in await reclaim(self.queues, wc.reclaim_after_s, limit):
             rid = _request_of(got.claimed.message).request_id
             self.counters["reclaimed"] += 1
+            self.timeline.emit(rid, "reclaimed", stage=self.stage, from_worker=got.previous_owner,
+                               delivery=got.deliveries)
             if got.deliveries > wc.max_deliveries:
                 self.counters["dead_lettered"] += 1
                 log.error("%s was delivered %d times without finishing; dead-lettering it", rid, got.deliveries - 1)
