@@ -34,8 +34,8 @@ def stage_of(route: str) -> str:
 
 
 def pool_rate(fleet: FleetView, stage: str) -> float | None:
-    """Measured prefill tokens/s of the stage's live pool; decode workers measure
-    none, so colocated routes fall back to the policy's prior."""
+    """Measured prefill tokens/s of the stage's live pool (decode workers measure the
+    prompts they compute themselves); None until some worker has measured one."""
     pool = [w for w in fleet.workers if w.role == stage]
     rates = [w.tokens_per_s for w in pool if w.tokens_per_s > 0]
     return sum(rates) * len(pool) / len(rates) if rates else None  # unmeasured workers count at the mean

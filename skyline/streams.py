@@ -183,6 +183,13 @@ class TierQueues:
                 return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]), prefill_tokens)
         return None  # another worker took it between peek and claim
 
+    async def release_prefill(self, claimed: Claimed) -> None:
+        """The entry's prompt has been computed before its ack (a colocated request
+        streams on long after): take it off the backlog now, once."""
+        if claimed.prefill_tokens:
+            tokens, claimed.prefill_tokens = claimed.prefill_tokens, 0
+            await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -tokens)
+
     async def ack(self, claimed: Claimed) -> bool:
         """Done with an entry (handed on, finished, failed or dropped): XACK it and
         take its prefill work off the backlog. Only the ack that removed the entry

@@ -146,3 +146,27 @@ async def test_a_handle_older_than_the_kv_lease_is_prefilled_locally(fleet):
     await pubsub.aclose()
     assert final.completion_tokens == 8
     assert final.kv_transfer["local_prefill"] == "handle_expired" and final.kv_transfer["remote_prefill"] is False
+
+
+async def test_a_colocated_prompt_leaves_the_backlog_at_its_first_token(fleet):
+    # Admission control counts prompts not yet computed; a colocated request that is
+    # streaming its answer is no longer work ahead of anyone.
+    cfg, client, (_prefill_rt, decode_rt) = fleet
+    keys = Keys(cfg.key_prefix)
+    req = gen_request("r-coloc", list(b"a colocated prompt"), 300, route="colocated")
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens(req.request_id))  # a listener, or the worker aborts at once
+    await enqueue(client, keys, "decode", m.DecodeWork(request=req, kv_handle=None), 1000)
+    field = Keys.backlog_field("decode", "interactive")
+    assert int(await client.hget(keys.backlog, field)) == len(req.prompt_token_ids)
+    async with asyncio.timeout(5):
+        while int(await client.hget(keys.backlog, field) or 0) != 0:
+            await asyncio.sleep(0.01)
+    assert "r-coloc" in decode_rt.in_flight  # still streaming
+    assert decode_rt.meter.tokens_per_s(now_ms()) > 0  # heartbeated: colocated admission uses it
+    await client.publish(keys.cancel, m.encode(m.Cancel("r-coloc")))
+    async with asyncio.timeout(5):
+        while "r-coloc" in decode_rt.in_flight:
+            await asyncio.sleep(0.01)
+    assert int(await client.hget(keys.backlog, field)) == 0  # released once, not again at the ack
+    await pubsub.aclose()

@@ -70,6 +70,8 @@ class DecodeHandler:
                     if chunk.token_ids or chunk.text:
                         if not first_token_ms:
                             first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
+                            if kv_handle is None:
+                                await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
                         await stream.delta(chunk.token_ids, chunk.text)
                     if chunk.finish_reason:
                         finish_reason, kv_transfer = chunk.finish_reason, dict(chunk.kv_transfer)
@@ -101,6 +103,14 @@ class DecodeHandler:
         observe.decode_done(self.rt, final, done)
         await stream.send(final, [], final=True)
         await self.rt.queues.ack(claimed)
+
+    async def _prefilled_here(self, claimed: Claimed, started_ms: int, first_token_ms: int, tokens: int) -> None:
+        """This worker computed the prompt itself (colocated route, or a local
+        re-prefill): measure its prefill rate, which admission control uses for
+        colocated routes, and take the prompt off the prefill backlog now rather
+        than when the whole answer is done (it is no longer work ahead of anyone)."""
+        self.rt.meter.record(started_ms, first_token_ms, tokens)
+        await self.rt.queues.release_prefill(claimed)
 
     async def _plan(self, work: messages.DecodeWork, run: RunClaim) -> tuple[EngineRequest, dict | None, str]:
         """What to give the engine: the request (continued after the tokens already

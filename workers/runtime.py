@@ -346,7 +346,9 @@ class WorkerRuntime:
         s = self.engine.stats()
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.in_flight), s.waiting, s.kv_usage
         self.info.running_tokens = self.prompt_tokens_in_flight if self.role == "prefill" else 0
-        self.info.tokens_per_s = (self.meter.tokens_per_s(now_ms()) or 0.0) if self.role == "prefill" else 0.0
+        # Prefill workers measure every prompt; decode workers the prompts they compute
+        # themselves (colocated routes), which admission control uses for those routes.
+        self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
