@@ -58,8 +58,9 @@ return out
 _PUBLISH = """
 if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') ~= tonumber(ARGV[1]) then return -1 end
 if #ARGV > 5 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 6))
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  if redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) == #ARGV - 5 then  -- the list is new: give it a lifetime
+    redis.call('EXPIRE', KEYS[2], ARGV[2])
+  end
 end
 redis.call('HINCRBY', KEYS[1], 'frames', 1)
 if ARGV[5] == '1' then

@@ -133,7 +133,10 @@ class DecodeHandler:
             # could silently produce wrong output. Prefill here instead.
             log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, age)
             return ereq, None, "handle_expired"
-        if work.prefill_worker and not await self.rt.is_alive(work.prefill_worker):
+        # A hand-off younger than the liveness window comes from a worker that was alive
+        # then; a death since would not show in its heartbeat yet anyway.
+        fresh = age < 3000 * self.rt.cfg.worker.heartbeat_s
+        if work.prefill_worker and not fresh and not await self.rt.is_alive(work.prefill_worker):
             log.warning("prefill worker %s of %s is gone; prefilling locally", work.prefill_worker, req.request_id)
             return ereq, None, "prefill_worker_gone"
         return ereq, work.kv_handle, ""

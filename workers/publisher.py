@@ -15,6 +15,7 @@ import asyncio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 
 class BatchPublisher:
@@ -42,6 +43,22 @@ class BatchPublisher:
         self._ready.set()
         return await fut
 
+    async def _pipelined(self, batch: list[tuple[list, list, asyncio.Future]]) -> list:
+        """One round trip of plain EVALSHAs. Not redis-py's Script-in-pipeline, which
+        first asks SCRIPT EXISTS on every execute (a second round trip per batch). The
+        script is loaded on demand: after a Redis restart the first batch answers
+        NOSCRIPT, which means nothing ran, so loading and sending it again is safe."""
+        for attempt in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for keys, args, _ in batch:
+                pipe.evalsha(self.script.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(x, NoScriptError) for x in results):
+                self.script.sha = await self.r.script_load(self.script.script)
+                continue
+            return results
+        return results
+
     async def _run(self) -> None:
         while True:
             await self._ready.wait()
@@ -56,10 +73,7 @@ class BatchPublisher:
                     results = await asyncio.gather(*(self.script(keys=keys, args=args) for keys, args, _ in batch),
                                                    return_exceptions=True)
                 else:
-                    pipe = self.r.pipeline(transaction=False)
-                    for keys, args, _ in batch:
-                        await self.script(keys=keys, args=args, client=pipe)  # queues an EVALSHA; nothing sent yet
-                    results = await pipe.execute()
+                    results = await self._pipelined(batch)
             except Exception as exc:  # noqa: BLE001 - every waiting caller gets the failure
                 for _, _, fut in batch:
                     if not fut.done():

@@ -27,6 +27,8 @@ import heapq
 import itertools
 import math
 
+from skyline.scheduler.throughput import ThroughputMeter
+
 
 class _Member:
     __slots__ = ("end_step", "first_step", "req")
@@ -36,10 +38,10 @@ class _Member:
 
 
 class _Local:
-    __slots__ = ("done", "order", "req")
+    __slots__ = ("claimed_at", "done", "order", "req")
 
-    def __init__(self, req, order: int):
-        self.req, self.done, self.order = req, 0, order
+    def __init__(self, req, order: int, now: float):
+        self.req, self.done, self.order, self.claimed_at = req, 0, order, now
 
 
 class DecodeWorker:
@@ -62,6 +64,11 @@ class DecodeWorker:
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self._order = 0
         self.segments: list | None = [] if sim.record_itl else None
+        # Prompts this worker computed itself, timed as the live decode worker times them
+        # (claim -> first token); heartbeated for admission control of colocated routes.
+        self.meter = ThroughputMeter()
+        self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
+        self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
 
     # -- room and claims ---------------------------------------------------------------
 
@@ -85,7 +92,7 @@ class DecodeWorker:
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
             else:
                 self._order += 1
-                self.local.append(_Local(req, self._order))
+                self.local.append(_Local(req, self._order, now))
                 if not self.stepping:
                     self._align(now)
                     self.stepping = True
@@ -178,11 +185,25 @@ class DecodeWorker:
         if not produced:
             self.pending_first.append(m)
 
+    def busy(self) -> bool:
+        return self.stepping or self.B > 0
+
+    def neighbour_changed(self) -> None:
+        """The engine sharing this host started or stopped: steps after the one in progress change speed."""
+        if self.stepping or self.B == 0:
+            return  # stepped mode prices each step when it starts; an idle engine has nothing to rescale
+        self._align(self.sim.loop.now)
+        self._reschedule()
+        self.claim_while_room()
+
     def _reschedule(self) -> None:
         self.version += 1
         if self.B == 0:
             return
         self.a, self.b = self.perf.decode_coeffs(self.B, self.C)
+        if self.neighbour is not None and self.neighbour.busy():
+            self.a *= self.sim.neighbour_slowdown
+            self.b *= self.sim.neighbour_slowdown
         self.sim.loop.at(self._T(self.ends[0][0] - self.k), self._on_complete, self.version)
 
     def _on_complete(self, version: int) -> None:
@@ -213,6 +234,8 @@ class DecodeWorker:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:
             dur = self.perf.prefill_step_s(chunks)
+        if self.neighbour is not None and self.neighbour.busy():
+            dur *= self.sim.neighbour_slowdown
         if self.segments is not None:
             self.segments.append((self.k, self.t, 0, 0, dur, 0.0))
         self.sim.loop.at(self.t + dur, self._mixed_done, work)
@@ -234,6 +257,11 @@ class DecodeWorker:
                 self.local.remove(h)
                 req = h.req
                 req.prefill_end = now
+                # Live (workers/decode.py, at the first token): meter the prompt, and take a
+                # colocated prompt off the backlog: it is no longer work ahead of anyone.
+                self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
+                if req.route == "colocated":
+                    self.sim.decode_q.release(req.tier, req.prompt_tokens)
                 req.first_t = now  # the step that finishes a prompt samples its first token
                 self._join(req, produced=1)
         self.claim_while_room()

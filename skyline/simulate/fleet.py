@@ -61,7 +61,11 @@ class FleetSpec:
 
 class Simulation:
     def __init__(self, cfg: SkylineConfig, fleet: FleetSpec, perf_prefill: PerfModel, perf_decode: PerfModel,
-                 record_itl: bool = False, allow_demotion: bool = False, overhead_s: float = FLEET_OVERHEAD_S):
+                 record_itl: bool = False, allow_demotion: bool = False, overhead_s: float = FLEET_OVERHEAD_S,
+                 neighbour_slowdown: float = 1.0):
+        """`neighbour_slowdown` != 1: prefill worker i and decode worker i share one host's cores (as
+        `skyline up` places them on a 2-core machine), and a step of either costs that factor more
+        while the other engine is busy (measured by `skyline profile --handoff`)."""
         if fleet.mode not in ("disagg", "colocated"):
             raise ValueError(f"unknown fleet mode {fleet.mode!r}")
         if fleet.decode < 1 or (fleet.mode == "disagg" and fleet.prefill < 1):
@@ -83,6 +87,10 @@ class Simulation:
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
         self.prefill_workers = [PrefillWorker(self, i) for i in range(fleet.prefill if fleet.mode == "disagg" else 0)]
         self.decode_workers = [DecodeWorker(self, i) for i in range(fleet.decode)]
+        self.neighbour_slowdown = neighbour_slowdown
+        if neighbour_slowdown != 1.0:
+            for p, d in zip(self.prefill_workers, self.decode_workers):
+                p.neighbour, d.neighbour = d, p
         self.prefill_ready: deque = deque(self.prefill_workers)
         self.decode_ready: deque = deque(self.decode_workers)
         for w in self.prefill_workers + self.decode_workers:
@@ -90,7 +98,7 @@ class Simulation:
         # What the gateway's FleetView cached at its last refresh.
         self.seen_rate: dict[str, float | None] = {"prefill": None, "decode": None}
         self.seen_prefill_backlog = 0
-        self._refresh_next = 0
+        self._refresh_next = {"prefill": 0, "decode": 0}
         # The heartbeats as the gateway's FleetView lists them (role, measured tokens/s), for pool_rate.
         self._view = SimpleNamespace(workers=[SimpleNamespace(role="prefill", tokens_per_s=0.0)
                                               for _ in self.prefill_workers]
@@ -168,23 +176,27 @@ class Simulation:
     def on_done(self, req: SimRequest) -> None:
         req.finish(self.overhead_s)
         self.completed += 1
-        if req.route == "colocated":
-            self.decode_q.release(req.tier, req.prompt_tokens)  # colocated work leaves the backlog at its ack
 
     # -- periodic fleet activity ----------------------------------------------------------------------
 
     def _refresh(self, _arg=None) -> None:
-        """Heartbeats + the gateway's FleetView: measured prefill rates and the cached prefill backlog."""
-        pool = self.prefill_workers
-        if pool:
-            n = min(len(pool), RATES_PER_REFRESH)
+        """Heartbeats + the gateway's FleetView: measured prefill rates and the cached prefill backlog.
+
+        Every worker heartbeats the prefill rate its meter measured: prefill
+        workers over every prompt, decode workers over the prompts they
+        computed themselves (colocated routes), as `workers/runtime.py` does.
+        """
+        now_ms = int(self.loop.now * 1000)
+        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
+            if not pool:
+                continue
+            n, start = min(len(pool), RATES_PER_REFRESH), self._refresh_next[role]
             for i in range(n):
-                w = pool[(self._refresh_next + i) % len(pool)]
-                w.rate_cache = (-1.0, 0.0)
-                w.tokens_per_s()
-            self._refresh_next = (self._refresh_next + n) % len(pool)
+                w = pool[(start + i) % len(pool)]
+                w.rate_cache = (self.loop.now, w.meter.tokens_per_s(now_ms) or 0.0)
+            self._refresh_next[role] = (start + n) % len(pool)
         view = self._view
-        for w, info in zip(pool, view.workers):
+        for w, info in zip(self.prefill_workers + self.decode_workers, view.workers):
             info.tokens_per_s = w.rate_cache[1]
         self.seen_rate = {"prefill": pool_rate(view, "prefill"), "decode": pool_rate(view, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())

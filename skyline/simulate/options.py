@@ -21,6 +21,13 @@ def add_simulate_parser(sub) -> None:
     perf = p.add_argument_group("engine performance model (one of)")
     perf.add_argument("--profile", help="a JSON profile written by `skyline profile` (e.g. "
                                         "skyline/simulate/profiles/cpu-1core-nixl.json)")
+    perf.add_argument("--slowdown",
+                      help="with --profile: engine steps cost this multiple of the profiled time: one factor, or "
+                           "per role (prefill=2.6,decode=1.4); default the profile's own `slowdown`, else 1. "
+                           "`python -m skyline.simulate.calibrate` derives it from a measured run")
+    perf.add_argument("--handoff-ms", type=float,
+                      help="with --profile: fixed cost of a KV hand-off beyond the first decode step (default: "
+                           "the profile's kv_transfer, measured by `skyline profile --handoff`)")
     perf.add_argument("--gpu", help="analytical roofline model of this GPU: H100, H200, A100")
     perf.add_argument("--model", default="llama-3-8b",
                       help="with --gpu: model shape preset (smollm2-135m, llama-3-8b, opt-13b); default llama-3-8b")
@@ -37,6 +44,10 @@ def add_simulate_parser(sub) -> None:
     fleet.add_argument("--decode", type=int, default=1, help="decode workers")
     fleet.add_argument("--colocated-workers", type=int,
                        help="workers of the colocated fleet (default: the same devices as the disagg fleet)")
+    fleet.add_argument("--shared-host", nargs="?", const="profile", metavar="FACTOR",
+                       help="disagg: prefill worker i and decode worker i share one host's cores (as `skyline up` "
+                            "on a 2-core machine); a step of either costs FACTOR times more while the other is busy "
+                            "(default: the profile's handoff.neighbour_slowdown, measured by skyline profile --handoff)")
     fleet.add_argument("--config", help="Skyline TOML config: tiers, admission, worker limits (deploy/skyline.toml)")
     fleet.add_argument("--no-admission", dest="admission", action="store_false", default=None)
     fleet.add_argument("--no-preemption", dest="preemption", action="store_false", default=None)

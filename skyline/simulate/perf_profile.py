@@ -14,6 +14,18 @@ sizes a and b are interpolated linearly, beyond them extended linearly.
 
 Mixed steps (colocated engines) cost the prefill chunks plus the decode
 step's work beyond the shared fixed cost a0.
+
+KV transfer ("kv_transfer": latency_s + bytes / bytes_per_s; bytes_per_s
+null = no per-byte term) is what a hand-off costs beyond the decode step
+that samples the first token: measured between two engines by
+`skyline profile --handoff`, or a hand figure in older profiles.
+
+Slowdown ("slowdown": {"factor", "source"}, or `--slowdown`): every engine
+step costs `factor` times the profiled time. The profile is measured on an
+engine running alone; in a fleet on a small host the gateway, Redis, the
+load generator and the other engines share the cores. `calibrate.py`
+derives the factor from a measured run's solo phases. KV transfer times are
+not scaled (the hand-off measurement already ran next to a second engine).
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 class ProfileModel(PerfModel):
-    def __init__(self, profile: dict, name: str = "profile"):
+    def __init__(self, profile: dict, name: str = "profile", slowdown: float | None = None,
+                 handoff_s: float | None = None):
         if profile.get("kind") != "skyline-engine-profile":
             raise ValueError("not a Skyline engine profile (expected kind = skyline-engine-profile)")
         self.profile = profile
@@ -46,12 +59,16 @@ class ProfileModel(PerfModel):
         self.kv_bytes_per_token = float(profile["kv_bytes_per_token"])
         self.kv_capacity_tokens = int(profile["kv_capacity_tokens"])
         kv = profile["kv_transfer"]
-        self.kv_latency_s, self.kv_bytes_per_s = float(kv["latency_s"]), float(kv["bytes_per_s"])
+        self.kv_latency_s = float(kv["latency_s"]) if handoff_s is None else handoff_s
+        self.kv_bytes_per_s = float(kv["bytes_per_s"]) if kv.get("bytes_per_s") else None
+        self.slowdown = float(profile.get("slowdown", {}).get("factor", 1.0)) if slowdown is None else slowdown
+        if self.slowdown <= 0:
+            raise ValueError(f"a slowdown must be positive, got {self.slowdown}")
         single = sorted((p["tokens"], p["seconds"]) for p in profile["prefill"] if p["seqs"] == 1)
         if len(single) < 2:
             raise ValueError("a profile needs at least two single-prompt prefill points")
         self._px = [float(t) for t, _ in single]
-        self._py = [s for _, s in single]
+        self._py = [s * self.slowdown for _, s in single]
         self.a0 = min(max(0.0, interp(self._px, self._py, 0.0)), self._py[0])
         by_batch: dict[int, list[tuple[float, float]]] = {}
         for d in profile["decode"]:
@@ -60,13 +77,14 @@ class ProfileModel(PerfModel):
             raise ValueError("a profile needs decode points")
         self._bx = sorted(by_batch)
         fits = [_fit_line([c for c, _ in by_batch[b]], [s for _, s in by_batch[b]]) for b in self._bx]
-        self._ba = [a for a, _ in fits]
-        self._bb = [max(0.0, b) for _, b in fits]
+        self._ba = [a * self.slowdown for a, _ in fits]
+        self._bb = [max(0.0, b) * self.slowdown for _, b in fits]
 
     @classmethod
-    def load(cls, path: str | Path) -> ProfileModel:
+    def load(cls, path: str | Path, slowdown: float | None = None, handoff_s: float | None = None) -> ProfileModel:
+        """`slowdown` and `handoff_s` (the KV transfer's fixed cost) override the profile's own."""
         p = Path(path)
-        return cls(json.loads(p.read_text()), name=f"profile {p.name}")
+        return cls(json.loads(p.read_text()), name=f"profile {p.name}", slowdown=slowdown, handoff_s=handoff_s)
 
     def _f(self, tokens: float) -> float:
         return interp(self._px, self._py, tokens) if tokens > 0 else 0.0
@@ -91,6 +109,8 @@ class ProfileModel(PerfModel):
         return prefill + max(self.decode_step_s(batch, context) - self.a0, 0.0)
 
     def kv_transfer_s(self, tokens: int) -> float:
+        if self.kv_bytes_per_s is None:
+            return self.kv_latency_s
         return self.kv_latency_s + tokens * self.kv_bytes_per_token / self.kv_bytes_per_s
 
     def batch_error(self) -> float | None:
@@ -99,7 +119,7 @@ class ProfileModel(PerfModel):
         for p in self.profile["prefill"]:
             if p["seqs"] > 1:
                 n = p["tokens"] // p["seqs"]
-                pred = self.prefill_step_s([(0, n)] * p["seqs"])
+                pred = self.prefill_step_s([(0, n)] * p["seqs"]) / self.slowdown
                 errs.append(abs(pred - p["seconds"]) / p["seconds"])
         return max(errs) if errs else None
 
@@ -107,4 +127,5 @@ class ProfileModel(PerfModel):
         e = self.profile.get("engine", {})
         return {**super().describe(), "measured": self.profile.get("measured"), "engine": e,
                 "prefill_fixed_ms": round(self.a0 * 1000, 1), "batch_error": self.batch_error(),
-                "kv_transfer_source": self.profile["kv_transfer"].get("source")}
+                "kv_transfer_source": self.profile["kv_transfer"].get("source"),
+                "kv_transfer_latency_ms": round(self.kv_latency_s * 1000, 1), "slowdown": self.slowdown}

@@ -39,6 +39,7 @@ class PrefillWorker:
         self._order = 0
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
+        self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
 
     # -- claiming ------------------------------------------------------------------
 
@@ -59,7 +60,12 @@ class PrefillWorker:
                 req.prefill_start = self.sim.loop.now
         if not self.stepping and self.held:
             self._start_step()
+            if self.neighbour is not None:
+                self.neighbour.neighbour_changed()  # from idle to busy
         self.sim.note_room(self, self.sim.prefill_ready)
+
+    def busy(self) -> bool:
+        return self.stepping
 
     # -- engine steps ------------------------------------------------------------------
 
@@ -79,6 +85,8 @@ class PrefillWorker:
             work.append((h, n))
             budget -= n
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
+        if self.neighbour is not None and self.neighbour.busy():
+            dur *= self.sim.neighbour_slowdown
         self.stepping = True
         self.busy_s += dur
         self.sim.loop.after(dur, self._step_done, work)
@@ -95,6 +103,8 @@ class PrefillWorker:
         self.claim_while_room()
         if not self.stepping and self.held:
             self._start_step()
+        if not self.stepping and self.neighbour is not None:
+            self.neighbour.neighbour_changed()  # from busy to idle
 
     def _finish(self, h: _Held, now: float) -> None:
         req = h.req

@@ -8,9 +8,11 @@ core binding), so the profile describes the engines the fleet runs. Measured:
             nearly the context; and k prompts submitted together (makespan);
   decode    step time for B running sequences of prompt length L, from the
             gaps between streamed tokens once every sequence is decoding;
-  kv        bytes per token from the model's shape; transfer speed is not
-            measured here (it needs a second engine): the profile records the
-            figure given on the command line and says where it came from.
+  kv        bytes per token from the model's shape; transfer speed needs a
+            second engine: the profile records the figure given on the command
+            line and says where it came from, until `--handoff` measures it
+            (`handoff.py`: two engines, decode submit -> first token) and
+            writes the measurement into an existing profile.
 
 Prompts are random token ids, fresh for every request, so the prefix cache
 never shortens a prefill. The simulator (`perf_profile.py`) interpolates it.
@@ -165,15 +167,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bytes-per-s", type=float, default=7.0e8, help="KV transfer bandwidth (not measured)")
     p.add_argument("--kv-source", default="hand measurement: ~12 ms for ~8.4 MB between two CPU engines over NIXL",
                    help="where the KV transfer figures come from (recorded in the profile)")
+    p.add_argument("--handoff", action="store_true",
+                   help="measure the hand-off between two engines (prefill on --cpu-bind, decode on "
+                        "--decode-cpu-bind) and write it into the existing profile --out (kv_transfer, handoff)")
+    p.add_argument("--decode-cpu-bind", default="1", help="with --handoff: cores of the decode engine")
     p.add_argument("--limit", type=int, default=0, help="measure only the first N points of each grid (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSON file to write")
 
 
+async def measure_handoff(args: argparse.Namespace) -> dict:
+    from skyline.model import resolve_model
+    from skyline.simulate import handoff
+
+    model_dir = resolve_model(args.model)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    return await handoff.measure(args, _Prompts(vocab, args.seed), kv_bytes_per_token(model_dir, "float32"),
+                                 model_dir, vocab)
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> None:
     args.argv = argv
-    profile = asyncio.run(measure(args))
     out = Path(args.out)
+    if args.handoff:
+        if not out.exists():
+            raise SystemExit(f"--handoff adds to an existing profile: {out} does not exist (run skyline profile first)")
+        profile = {**json.loads(out.read_text()), **asyncio.run(measure_handoff(args))}
+        out.write_text(json.dumps(profile, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
+    profile = asyncio.run(measure(args))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     print(f"wrote {out}")

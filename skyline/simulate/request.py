@@ -32,7 +32,7 @@ class SimRequest:
         self.tier, self.rank, self.priority, self.deadline = tier, 0, 0, 0.0
         self.route, self.preemptions, self.decision = "", 0, ""
         self.prefill_start = self.prefill_end = self.first_t = self.done_t = 0.0
-        self.itl_s: list[float] = []
+        self.itl_s: list[float] | tuple = ()  # gaps between tokens, filled only when the run records them
         self.outcome, self.output_tokens, self.attained = "cancelled", 0, False
         self.ttft_s = self.tpot_s = self.latency_s = 0.0
         self.server_prompt_tokens = prompt_tokens
@@ -62,7 +62,7 @@ class SimRequest:
             rec.error = "still running at the drain deadline"
         if self.outcome == "ok":
             rec.server_prompt_tokens, rec.output_tokens = self.prompt_tokens, self.output_tokens
-            rec.ttft_s, rec.tpot_s, rec.latency_s, rec.itl_s = self.ttft_s, self.tpot_s, self.latency_s, self.itl_s
+            rec.ttft_s, rec.tpot_s, rec.latency_s, rec.itl_s = self.ttft_s, self.tpot_s, self.latency_s, list(self.itl_s)
             rec.attained = self.attained
         rec.skyline = {"tier": self.tier, "route": self.route, "preemptions": self.preemptions,
                        "admission": self.decision or "admit",

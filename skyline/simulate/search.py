@@ -25,10 +25,13 @@ from skyline.simulate.systems import SimSystem, resized
 from skyline.simulate.workload import synthetic
 
 
-def _attainment(cfg, system: SimSystem, reqs_of, drain: float) -> float:
+def _try(cfg, system: SimSystem, reqs_of, drain: float, tried: list) -> float:
+    """Simulate one fleet, note it in `tried` (with its share of 429s), return its attainment."""
     from skyline.simulate.run import simulate_one
 
     summary, _sim, _wall = simulate_one(cfg, system, reqs_of(), drain)
+    tried.append({"fleet": system.fleet.label, "devices": system.devices, "attainment": summary["attainment"],
+                  "rejected": summary["rejected"] / max(1, summary["sent"])})
     return summary["attainment"]
 
 
@@ -45,9 +48,7 @@ def lower_bounds(cfg, system: SimSystem, rate: float, mean_prompt: float, mean_o
 
 def search_colocated(cfg, system: SimSystem, reqs_of, drain: float, max_devices: int, tried: list) -> int | None:
     def ok(n: int) -> bool:
-        att = _attainment(cfg, resized(system, 0, n), reqs_of, drain)
-        tried.append({"fleet": f"{n} colocated", "devices": n * system.perf_decode.devices, "attainment": att})
-        return att >= SLO_GOAL
+        return _try(cfg, resized(system, 0, n), reqs_of, drain, tried) >= SLO_GOAL
 
     per = system.perf_decode.devices
     lo, hi = 0, 1
@@ -72,13 +73,34 @@ def search_disagg(cfg, system: SimSystem, reqs_of, drain: float, max_devices: in
             if rest % dd or rest // dd < d_min:
                 continue
             d = rest // dd
-            att = _attainment(cfg, resized(system, p, d), reqs_of, drain)
-            tried.append({"fleet": f"{p}P+{d}D", "devices": devices, "attainment": att})
+            att = _try(cfg, resized(system, p, d), reqs_of, drain, tried)
             if att >= SLO_GOAL and (best is None or att > best[2]):
                 best = (p, d, att)
         if best:
             return best[0], best[1]
     return None
+
+
+def shedding_note(tried: list, cfg) -> list[str]:
+    """Say so when admission control, not capacity, decides the answer.
+
+    Admission predicts TTFT = backlog ahead / pool rate + `first_token_overhead_ms`,
+    and the backlog counts prompts in progress on every worker; a TTFT target
+    below that fixed overhead sheds every request that arrives while any
+    prompt is being computed, at any fleet size (attainment flat in devices).
+    """
+    failing = [t for t in tried if t["attainment"] < SLO_GOAL]
+    if not failing or not cfg.gateway.admission:
+        return []
+    shed = sum(t["rejected"] for t in failing) / len(failing)
+    missed = sum(1 - t["attainment"] for t in failing) / len(failing)
+    if shed < 0.5 * missed:
+        return []
+    return ["", f"Most misses of the fleets that fail are 429s ({shed:.0%} of requests shed, {missed:.0%} missed, "
+                f"on average): admission control predicts TTFT with a fixed first-token overhead of "
+                f"{cfg.gateway.first_token_overhead_ms:g} ms (gateway.first_token_overhead_ms). If a TTFT target is "
+                f"close to or below it, adding GPUs cannot help: size that overhead for these engines (--config) or "
+                f"search with --no-admission."]
 
 
 def main(args, cfg, systems: list[SimSystem], spec, targets, preset: dict, drain: float, out: Path,
@@ -110,8 +132,9 @@ def main(args, cfg, systems: list[SimSystem], spec, targets, preset: dict, drain
     for name, a in answers.items():
         lines.append(f"| {name} | {a['fleet'] if a else f'none within {args.max_devices} devices'} | "
                      f"{a['devices'] if a else '-'} |")
-    lines += ["", "Fleets tried:", "", "| fleet | devices | attainment |", "|---|---|---|"]
-    lines += [f"| {t['fleet']} | {t['devices']} | {t['attainment']:.1%} |" for t in tried]
+    lines += ["", "Fleets tried:", "", "| fleet | devices | attainment | 429s |", "|---|---|---|---|"]
+    lines += [f"| {t['fleet']} | {t['devices']} | {t['attainment']:.1%} | {t['rejected']:.1%} |" for t in tried]
+    lines += shedding_note(tried, cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "search.json").write_text(json.dumps({"command": command, "target_rate": rate, "answers": answers,
                                                  "tried": tried, "slo": targets.to_dict()}, indent=1))

@@ -25,6 +25,7 @@ class SimSystem:
     fleet: FleetSpec
     perf_prefill: PerfModel
     perf_decode: PerfModel
+    neighbour_slowdown: float = 1.0  # != 1: prefill and decode worker i share a host (Simulation)
 
     @property
     def devices(self) -> int:
@@ -36,13 +37,37 @@ def perf_models(args: argparse.Namespace) -> tuple[PerfModel, PerfModel, PerfMod
     if bool(args.profile) == bool(args.gpu):
         raise SystemExit("give exactly one performance model: --profile FILE or --gpu NAME")
     if args.profile:
-        model = ProfileModel.load(args.profile)
-        if args.step_tokens:
-            model.max_step_tokens = args.step_tokens
-        return model, model, model
+        handoff_s = None if args.handoff_ms is None else args.handoff_ms / 1000
+        slow = role_slowdowns(args.slowdown)
+        models = {}
+        for role in ("prefill", "decode"):
+            key = slow[role]
+            if key not in models:
+                models[key] = ProfileModel.load(args.profile, slowdown=key, handoff_s=handoff_s)
+                if args.step_tokens:
+                    models[key].max_step_tokens = args.step_tokens
+        return models[slow["prefill"]], models[slow["decode"]], models[slow["decode"]]
+    if args.slowdown is not None or args.handoff_ms is not None:
+        raise SystemExit("--slowdown and --handoff-ms apply to a measured --profile, not to --gpu")
     step = args.step_tokens or GPU_STEP_TOKENS
     make = lambda tp: roofline(args.gpu, args.model, tp, args.mfu, args.mbu, step)
     return make(args.prefill_tp or args.tp), make(args.decode_tp or args.tp), make(args.tp)
+
+
+def role_slowdowns(text: str | None) -> dict[str, float | None]:
+    """`--slowdown`: one factor for every engine ("1.4") or per role ("prefill=2.6,decode=1.4"; a
+    colocated engine takes the decode factor); None = the profile's own."""
+    if not text:
+        return {"prefill": None, "decode": None}
+    if "=" not in text:
+        return {"prefill": float(text), "decode": float(text)}
+    out: dict[str, float | None] = {"prefill": None, "decode": None}
+    for part in text.split(","):
+        role, _, value = part.partition("=")
+        if role.strip() not in out:
+            raise SystemExit(f"--slowdown: unknown role {role!r} (prefill or decode)")
+        out[role.strip()] = float(value)
+    return out
 
 
 def fleet_config(args: argparse.Namespace) -> SkylineConfig:
@@ -51,8 +76,22 @@ def fleet_config(args: argparse.Namespace) -> SkylineConfig:
     return cfg
 
 
+def neighbour_slowdown(args: argparse.Namespace, prefill: PerfModel) -> float:
+    """The --shared-host factor: given, or the one the profile measured (`skyline profile --handoff`)."""
+    if args.shared_host is None:
+        return 1.0
+    if args.shared_host != "profile":
+        return float(args.shared_host)
+    measured = getattr(prefill, "profile", {}).get("handoff", {}).get("neighbour_slowdown")
+    if not measured:
+        raise SystemExit("--shared-host: the profile has no measured handoff.neighbour_slowdown "
+                         "(run skyline profile --handoff) and no factor was given")
+    return float(measured)
+
+
 def systems(args: argparse.Namespace, prefill: PerfModel, decode: PerfModel, colocated: PerfModel) -> list[SimSystem]:
-    disagg = SimSystem("sim-disagg", FleetSpec("disagg", args.prefill, args.decode), prefill, decode)
+    disagg = SimSystem("sim-disagg", FleetSpec("disagg", args.prefill, args.decode), prefill, decode,
+                       neighbour_slowdown(args, prefill))
     n = args.colocated_workers or max(1, disagg.devices // colocated.devices)
     out = []
     if args.mode in ("colocated", "both"):
