@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     ch.add_argument("--out", help="also write the JSON result to this file")
+    bu = bsub.add_parser("burst", help="an interactive chat right after six ~1,500-token RAG prompts (real vLLM)")
+    bu.add_argument("--min-remote-prefill-tokens", type=int, default=0,
+                    help="conditional disaggregation: shorter prompts are prefilled on the decode worker")
+    bu.add_argument("--trials", type=int, default=3)
+    bu.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    bu.add_argument("--out", help="also write the JSON result to this file")
     from skyline.bench.options import add_run_arguments  # argparse only: cheap
 
     br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")
@@ -194,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
             from skyline.bench.run import main as run_main
 
             run_main(args)
+            return
+        if args.bench == "burst":
+            from skyline.bench.burst import main as burst_main
+
+            burst_main(args)
             return
         if args.bench == "churn":
             from skyline.bench.churn import main as churn_main

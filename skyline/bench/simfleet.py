@@ -1,5 +1,5 @@
-"""A whole fleet on the `sim` engine as local processes, for benchmarks that
-need to start, kill and restart its parts (Redis included).
+"""A whole fleet as local processes (the `sim` engine by default), for benchmarks
+that need to start, kill and restart its parts (Redis included).
 
 Every process is started the way a user would (`python -m skyline.cli ...`),
 against a Redis of its own on a free port; logs go to files in `workdir`.
@@ -20,7 +20,8 @@ from skyline.redis_server import free_port, start_redis
 
 
 class SimFleet:
-    def __init__(self, workdir: Path, config_toml: str, persistence: str = "none", log_level: str = "WARNING"):
+    def __init__(self, workdir: Path, config_toml: str, persistence: str = "none", log_level: str = "WARNING",
+                 engine: str = "sim", extra: tuple[str, ...] = ()):
         self.workdir = workdir
         self.persistence = persistence
         self.cfg_path = workdir / "fleet.toml"
@@ -30,8 +31,8 @@ class SimFleet:
         self.url = f"http://127.0.0.1:{self.port}"
         self.redis: subprocess.Popen | None = None
         self.procs: dict[str, subprocess.Popen] = {}
-        self.common = ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--engine", "sim",
-                       "--config", str(self.cfg_path), "--log-level", log_level]
+        self.common = ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--engine", engine,
+                       "--config", str(self.cfg_path), "--log-level", log_level, *extra]
 
     # -- processes -------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ class SimFleet:
     def workers(self, role: str) -> list[str]:
         return [n for n in self.procs if n.startswith(f"{role}-")]
 
-    def wait_ready(self, want: dict[str, int], timeout_s: float = 60.0) -> None:
+    def wait_ready(self, want: dict[str, int], timeout_s: float = 60.0) -> None:  # vLLM engines: pass ~600
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:

@@ -69,15 +69,15 @@ class DecodeWorker:
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
+        self.max_running = sim.worker_cfg.max_running
+        self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
 
     # -- room and claims ---------------------------------------------------------------
 
     def has_room(self) -> bool:
-        w = self.sim.worker_cfg
-        held = self.B + self.arriving + len(self.local) + len(self.joining)
-        if held >= w.max_running:
+        if self.B + self.arriving + len(self.local) + len(self.joining) >= self.max_running:
             return False
-        return (self.C + self.reserved) / self.perf.kv_capacity_tokens < w.kv_watermark
+        return self.C + self.reserved < self.kv_room  # KV usage under the watermark
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""

@@ -29,6 +29,7 @@ the same prompts with the decode engine idle (`neighbour_slowdown`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing as mp
 import statistics
 import time
@@ -87,20 +88,11 @@ async def _decode_serve(conn, engine_cfg, model_dir: str) -> None:
                         times.append(time.perf_counter())
                     if chunk.finish_reason:
                         evidence = chunk.kv_transfer
-                gaps = [b - a for a, b in zip(times, times[1:])]
+                gaps = [b - a for a, b in itertools.pairwise(times)]
                 conn.send((times[0] - t0, statistics.median(gaps) if gaps else None, evidence))
             elif cmd == "busy":  # decode a batch in the background until told to stop
-                reqs = payload
-
-                async def drain(r):
-                    async for _ in engine.generate(r, None):
-                        pass
-
-                async def forever():
-                    while True:
-                        await asyncio.gather(*(drain(r) for r in reqs()))
-
-                background = asyncio.ensure_future(forever()) if background is None else background
+                if background is None:
+                    background = asyncio.ensure_future(_decode_forever(engine, payload))
                 await asyncio.sleep(2.0)  # every sequence prefilled: the engine is decoding
                 conn.send("busy")
             elif cmd == "idle":
@@ -108,12 +100,23 @@ async def _decode_serve(conn, engine_cfg, model_dir: str) -> None:
                     background.cancel()
                     await asyncio.gather(background, return_exceptions=True)
                     background = None
-                    for r in list(engine._in_flight):  # noqa: SLF001 - abort what the cancelled batch left
+                    for r in list(engine._in_flight):  # abort what the cancelled batch left in the engine
                         await engine.abort(r)
                 await asyncio.sleep(1.0)
                 conn.send("idle")
     finally:
         await engine.shutdown()
+
+
+async def _decode_forever(engine, batches) -> None:
+    """Keep the engine decoding: a fresh batch from `batches()` as soon as the previous one is done."""
+
+    async def drain(r):
+        async for _ in engine.generate(r, None):
+            pass
+
+    while True:
+        await asyncio.gather(*(drain(r) for r in batches()))
 
 
 class _BusyBatch:

@@ -40,12 +40,12 @@ class PrefillWorker:
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
+        self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
 
     # -- claiming ------------------------------------------------------------------
 
     def has_room(self) -> bool:
-        w = self.sim.worker_cfg
-        return len(self.held) < w.max_running and self.tokens_held < w.prefill_token_budget
+        return len(self.held) < self.max_running and self.tokens_held < self.token_budget
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""

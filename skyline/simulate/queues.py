@@ -49,9 +49,14 @@ class StageQueues:
         """Take the entry EDF serves next (None when empty)."""
         if not self.size:
             return None
-        tier = pick_tier(self.heads(), self.tier_order)
         self.size -= 1
-        return self.queues[tier].popleft()
+        only = None
+        for q in self.queues.values():
+            if q:
+                if only is not None:  # several tiers waiting: the EDF policy chooses
+                    return self.queues[pick_tier(self.heads(), self.tier_order)].popleft()
+                only = q
+        return only.popleft()  # one tier waiting: pick_tier would name it (the hot path of a big fleet)
 
     def reserve(self, tier: str, tokens: int) -> None:
         self.backlog[tier] += tokens

@@ -117,6 +117,10 @@ class RooflineModel(PerfModel):
         self._flops = gpu.bf16_flops * self.eff.mfu * tp
         self._bw = gpu.hbm_bytes_per_s * self.eff.mbu * tp
         self._decode_lines: dict[int, tuple[float, float, float, float]] = {}
+        # _step's constants, hoisted: it runs once per simulated engine step.
+        self._flops_per_token = 2 * model.matmul_params
+        self._flops_per_pair = 4 * model.layers * model.attn_width
+        self._flops_per_sample = 2 * model.hidden * model.vocab
 
     def _allreduce_s(self, tokens: int) -> float:
         if self.tp == 1:
@@ -125,10 +129,10 @@ class RooflineModel(PerfModel):
         return self.model.layers * per_layer / self.gpu.nvlink_bytes_per_s
 
     def _step(self, tokens: int, attended: float, kv_tokens: float, sampled: int) -> float:
-        m = self.model
-        flops = 2 * m.matmul_params * tokens + 4 * m.layers * m.attn_width * attended + 2 * m.hidden * m.vocab * sampled
-        bytes_ = self.weight_bytes + m.kv_bytes_per_token * kv_tokens
-        return max(flops / self._flops, bytes_ / self._bw) + self.eff.step_overhead_s + self._allreduce_s(tokens)
+        flops = self._flops_per_token * tokens + self._flops_per_pair * attended + self._flops_per_sample * sampled
+        bytes_ = self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+        step = max(flops / self._flops, bytes_ / self._bw) + self.eff.step_overhead_s
+        return step + self._allreduce_s(tokens) if self.tp > 1 else step
 
     @staticmethod
     def _chunk_work(chunks: Sequence[Chunk]) -> tuple[int, float, float]:

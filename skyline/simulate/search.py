@@ -96,11 +96,12 @@ def shedding_note(tried: list, cfg) -> list[str]:
     missed = sum(1 - t["attainment"] for t in failing) / len(failing)
     if shed < 0.5 * missed:
         return []
-    return ["", f"Most misses of the fleets that fail are 429s ({shed:.0%} of requests shed, {missed:.0%} missed, "
-                f"on average): admission control predicts TTFT with a fixed first-token overhead of "
-                f"{cfg.gateway.first_token_overhead_ms:g} ms (gateway.first_token_overhead_ms). If a TTFT target is "
-                f"close to or below it, adding GPUs cannot help: size that overhead for these engines (--config) or "
-                f"search with --no-admission."]
+    note = (f"Most misses of the fleets that fail are 429s ({shed:.0%} of requests shed, {missed:.0%} missed, "
+            f"on average): admission control predicts TTFT with a fixed first-token overhead of "
+            f"{cfg.gateway.first_token_overhead_ms:g} ms (gateway.first_token_overhead_ms). If a TTFT target is "
+            f"close to or below it, adding GPUs cannot help: size that overhead for these engines (--config) or "
+            f"search with --no-admission.")
+    return ["", note]
 
 
 def main(args, cfg, systems: list[SimSystem], spec, targets, preset: dict, drain: float, out: Path,

@@ -4,7 +4,7 @@ The bench's summary makes a dozen Python passes over its records and sorts
 Python lists for every percentile: ~13 s for a simulated hour at 1,000
 req/s. This one reads every request once (one C-level attribute getter per
 request) and does the rest on arrays. The definitions are the bench's, and
-`tests/test_simulate_speed.py` checks that both give the same summary; the
+`tests/test_simulate_calibration.py` checks that both give the same summary; the
 simulator uses this one only above `FAST_ABOVE` requests, so small runs go
 through exactly the code measured runs go through.
 """

@@ -1,0 +1,112 @@
+"""What calibration adds to the simulator: measured hand-offs, per-role slowdowns, engines sharing a host,
+the phase decomposition of a measured run, and the fast summary of big runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from skyline.bench import metrics
+from skyline.bench.workload import WorkloadSpec
+from skyline.config import load_config
+from skyline.simulate import calibrate, summary
+from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.simulate.perf import PerfModel
+from skyline.simulate.perf_profile import ProfileModel
+from skyline.simulate.request import SimRequest
+from skyline.simulate.roofline import roofline
+from skyline.simulate.systems import role_slowdowns
+from skyline.simulate.workload import synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
+PROFILE = ROOT / "skyline" / "simulate" / "profiles" / "cpu-1core-nixl.json"
+
+
+def test_the_profile_carries_a_measured_handoff_and_the_model_uses_it():
+    profile = json.loads(PROFILE.read_text())
+    h = profile["handoff"]
+    assert h["points"] and all(p["pull_s"] > 0 for p in h["points"]) and h["neighbour_slowdown"] > 1
+    m = ProfileModel.load(PROFILE)
+    kv = profile["kv_transfer"]
+    n = 1000
+    assert m.kv_transfer_s(n) == pytest.approx(kv["latency_s"] + n * m.kv_bytes_per_token / kv["bytes_per_s"])
+    # The fit stays near every measured point (within 15 ms).
+    for p in h["points"]:
+        assert abs(m.kv_transfer_s(p["tokens"]) - p["pull_s"]) < 0.015, p
+
+
+def test_slowdown_and_handoff_overrides_scale_the_engine_not_the_transfer():
+    base, slow = ProfileModel.load(PROFILE), ProfileModel.load(PROFILE, slowdown=2.0, handoff_s=0.3)
+    assert slow.prefill_step_s([(0, 256)]) == pytest.approx(2 * base.prefill_step_s([(0, 256)]))
+    assert slow.decode_step_s(4, 2000) == pytest.approx(2 * base.decode_step_s(4, 2000))
+    assert slow.kv_transfer_s(0) == pytest.approx(0.3)
+    assert slow.kv_transfer_s(500) - slow.kv_transfer_s(0) == pytest.approx(base.kv_transfer_s(500) - base.kv_transfer_s(0))
+    assert role_slowdowns("prefill=2.5,decode=1.3") == {"prefill": 2.5, "decode": 1.3}
+    assert role_slowdowns("1.5") == {"prefill": 1.5, "decode": 1.5}
+    assert role_slowdowns(None) == {"prefill": None, "decode": None}
+
+
+class ConstantModel(PerfModel):
+    """Prefill 1 ms per token; decode steps of 100 ms; no transfer."""
+
+    name, max_step_tokens, kv_capacity_tokens = "constant", 100_000, 1_000_000
+
+    def prefill_step_s(self, chunks):
+        return 0.001 * sum(n for _, n in chunks)
+
+    def decode_coeffs(self, batch, context):
+        return 0.1, 0.0
+
+    def mixed_step_s(self, chunks, batch, context):
+        return self.prefill_step_s(chunks) + 0.1
+
+    def kv_transfer_s(self, tokens):
+        return 0.0
+
+
+def test_engines_sharing_a_host_slow_each_other_only_while_both_are_busy():
+    cfg = with_overrides(load_config(None), admission=False, preemption=False)
+    m = ConstantModel()
+
+    def run(factor):
+        a = SimRequest(0, "chat", "interactive", 0.0, 100, 31, 1e9, 1e9)  # decodes from 0.1 s to ~3.1 s
+        b = SimRequest(1, "chat", "interactive", 1.0, 500, 2, 1e9, 1e9)  # prefilled while a decodes
+        Simulation(cfg, FleetSpec("disagg", 1, 1), m, m, overhead_s=0.0, neighbour_slowdown=factor).run([a, b], 60)
+        return a, b
+
+    a1, b1 = run(1.0)
+    a2, b2 = run(2.0)
+    assert a2.prefill_end == pytest.approx(a1.prefill_end)  # the decode engine was idle: no slowdown
+    assert b2.prefill_end - b2.prefill_start == pytest.approx(2 * (b1.prefill_end - b1.prefill_start))
+    # a's steps slow down while b's prompt is computed (0.5 s of prefill, 1.0 s with the neighbour busy).
+    assert a2.latency_s > a1.latency_s + 0.3
+
+
+def test_phases_of_the_measured_run():
+    model = ProfileModel.load(PROFILE, slowdown=1.0)
+    p = calibrate.phases(json.loads(MEASURED.read_text()), "skyline-disagg", model)
+    assert p["requests"] == 10 and p["handoff_ms"]["n"] == 10
+    assert p["handoff_ms"]["median"] == pytest.approx(391.0)  # the hand-off the README quotes
+    assert p["prefill_ratio"]["n"] == 8 and p["prefill_ratio"]["median"] > 1.5  # the fleet ran slower than the profile
+    only = calibrate.phases(json.loads(MEASURED.read_text()), "skyline-disagg", model, rate=0.15)
+    assert only["requests"] == 4
+
+
+def test_the_fast_summary_is_the_bench_summary():
+    m = roofline("H100", "llama-3-8b")
+    spec = WorkloadSpec(mix=0.8, chat_prompt=(30, 300), rag_prompt=(1000, 1600), chat_output=(8, 24),
+                        rag_output=(8, 24))
+    reqs = synthetic(spec, 200, 2000, lambda c: {"chat": (40, 10), "rag": (200, 12)}[c])
+    sim = Simulation(load_config(None), FleetSpec("disagg", 1, 2), m, m, record_itl=True)
+    duration = sim.run(reqs, 1.0)
+    assert {r.outcome for r in reqs} >= {"ok", "rejected"}
+    slow, fast = metrics.summarize(reqs, duration), summary.summarize(reqs, duration)
+    assert fast.keys() == slow.keys()
+    for key, value in slow.items():
+        if isinstance(value, dict) and "p50" in value:
+            assert fast[key] == pytest.approx(value, rel=1e-9), key
+        else:
+            assert fast[key] == value, key
