@@ -28,6 +28,7 @@ import itertools
 import math
 
 from skyline.scheduler.throughput import ThroughputMeter
+from skyline.simulate.prefill_worker import plan_chunks
 
 
 class _Member:
@@ -222,14 +223,7 @@ class DecodeWorker:
         budget = self.perf.max_step_tokens - self.B
         started = [h for h in self.local if h.done]
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
-        chunks, work = [], []
-        for h in started + waiting:
-            if budget <= 0:
-                break
-            n = min(budget, h.req.prompt_tokens - h.done)
-            chunks.append((h.done, n))
-            work.append((h, n))
-            budget -= n
+        chunks, work = plan_chunks(started + waiting, budget)
         if self.B:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:

@@ -76,14 +76,7 @@ class PrefillWorker:
         else:
             order = [h for h in self.held if h.done]
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
-        chunks, work = [], []
-        for h in order:
-            if budget <= 0:
-                break
-            n = min(budget, h.req.prompt_tokens - h.done)
-            chunks.append((h.done, n))
-            work.append((h, n))
-            budget -= n
+        chunks, work = plan_chunks(order, budget)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
             dur *= self.sim.neighbour_slowdown
@@ -150,3 +143,18 @@ class PrefillWorker:
             sim.prefill_q.push(h.req, (h.req, None))
         self.claim_while_room()
         return len(victims)
+
+
+def plan_chunks(handles, budget: int) -> tuple[list[tuple[int, int]], list]:
+    """One chunked-prefill step: prompt tokens taken from `handles` in order until
+    the step's token `budget` is spent. Returns ((tokens done before, tokens now)
+    per prompt, for the performance model) and ((handle, tokens now) per prompt)."""
+    chunks, work = [], []
+    for h in handles:
+        if budget <= 0:
+            break
+        n = min(budget, h.req.prompt_tokens - h.done)
+        chunks.append((h.done, n))
+        work.append((h, n))
+        budget -= n
+    return chunks, work
