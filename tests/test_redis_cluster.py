@@ -1,6 +1,6 @@
 """The fleet on a 3-node Redis Cluster (started locally from the bundled redis-server).
 
-What must hold for a cluster (skyline/keys.py, README "Redis Cluster and Sentinel"):
+What must hold for a cluster (skyline/keys.py, docs/beyond-one-machine.md "Redis Cluster and Sentinel"):
 keys used together in one command, transaction or Lua script share a hash tag,
 and pub/sub works whichever node a publisher and a subscriber talk to.
 """

@@ -4,6 +4,5 @@ It drives the real policy code in `skyline.scheduler` (tiers, EDF, admission,
 conditional disaggregation, preemption, throughput meters) with a virtual
 clock, and replaces the engines with performance models: a profile measured
 on a real engine (`skyline profile`) or an analytical roofline model of a GPU.
-See the README section "Simulator" and `skyline/simulate/README` in the module
-map for what is modelled and what is not.
+See docs/simulator.md for what is modelled and what is not.
 """

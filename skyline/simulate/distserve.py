@@ -29,7 +29,7 @@ from skyline.simulate.workload import synthetic
 
 TTFT_MS, TPOT_MS = 250, 100
 VLLM_STEP_TOKENS = 16384
-# The paper's figures (see README "Simulator"): chatbot OPT-13B..175B, DistServe vs vLLM request rate.
+# The paper's figures (see docs/simulator.md): chatbot OPT-13B..175B, DistServe vs vLLM request rate.
 PAPER_CHATBOT_GAIN = (2.0, 4.6)
 
 

@@ -11,7 +11,7 @@ per-step overhead and the tensor-parallel all-reduces:
   bytes   = weights (read once per step) + KV read and written
   all-reduce (tp > 1) = 2 per layer of tokens x hidden x 2 bytes, ring: 2 (tp-1)/tp over NVLink
 
-Efficiency factors are explicit and documented (README "Simulator"): MFU
+Efficiency factors are explicit and documented (docs/simulator.md): MFU
 (model FLOP utilisation) 0.6 and MBU (memory bandwidth utilisation) 0.7 by
 default, a 2 ms step overhead. With these, OPT-13B on one A100 gives 72 ms
 for a 512-token prefill and 20 ms for a one-sequence decode step, close to
