@@ -146,10 +146,10 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
 
         print(f"model: {resolve_model(cfg.engine.model)}", flush=True)  # prepares the default model once
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
+        env["SKYLINE_API_KEYS"] = ",".join(cfg.gateway.api_keys)
     common = _common_args(cfg, args)
     gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode]
-    for key in cfg.gateway.api_keys:
-        gw += ["--api-key", key]
     t0 = time.monotonic()
     try:
         _spawn("gateway", gw, env, procs)
@@ -158,10 +158,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
             _spawn(name, ["worker", extra[0], *common, *extra[1:]], env, procs)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         # One batch runner (an RQ worker) runs batch jobs through this gateway (README "Batch jobs").
-        runner = ["batch-runner", *common, "--gateway-url", url]
-        for key in cfg.gateway.api_keys[:1]:
-            runner += ["--api-key", key]
-        _spawn("batch", runner, env, procs)
+        _spawn("batch", ["batch-runner", *common, "--gateway-url", url], env, procs)
         want: dict[str, int] = {}
         for _, extra in plan:
             want[extra[0]] = want.get(extra[0], 0) + 1

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from skyline.redis_server import free_port
@@ -19,11 +20,27 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+API_KEY = "sk-up-test-0123456789"
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return out
+
+
 def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
     gw_port, redis_port = free_port(), free_port()
+    (tmp_path / "keys.txt").write_text(API_KEY + "\n")
+    (tmp_path / "cfg.toml").write_text(f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n')
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", "--prefill", "2", "--decode", "2",
-         "--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0"],
+         "--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0",
+         "--config", str(tmp_path / "cfg.toml")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, SKYLINE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
     )
@@ -43,9 +60,20 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
             assert json.loads(resp.read())["workers"] == {"prefill": 2, "decode": 2}
         body = json.dumps({"model": "skyline-sim", "prompt": "hi", "max_tokens": 5}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{gw_port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert json.loads(resp.read())["usage"]["completion_tokens"] == 5
+        anonymous = urllib.request.Request(f"http://127.0.0.1:{gw_port}/v1/completions", body,
+                                           {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(anonymous, timeout=10)
+            raise AssertionError("a request without the API key was served")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
+        # Secrets stay off command lines (`ps` shows those to every user of the machine).
+        assert not any(API_KEY in c for c in _cmdlines())
+        password = (tmp_path / "redis-fleet.password").read_text().strip()
+        assert password and not any(password in c for c in _cmdlines())
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C does
         rc = proc.wait(timeout=60)
