@@ -156,6 +156,8 @@ def connect(cfg: RedisConfig, *, max_connections: int | None = None, blocking_ti
     t = target_of(cfg)
     common: dict[str, Any] = {"username": t.username or None, "password": t.password or None,
                               **tls_options(cfg), **options}
+    if t.topology != CLUSTER:  # RedisCluster has its own retry and reconnect logic
+        common = {**retry_options(), **common}
     if t.topology == CLUSTER:
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 
@@ -178,6 +180,25 @@ def connect(cfg: RedisConfig, *, max_connections: int | None = None, blocking_ti
         pool_kwargs["timeout"] = blocking_timeout_s
     pool = pool_cls(db=t.db, max_connections=max_connections, **pool_kwargs, **common)
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
+
+
+def retry_options() -> dict[str, Any]:
+    """Retry a command that hit a broken connection, after a short backoff.
+
+    After a Redis restart every pooled connection is dead; without a retry the
+    first command on each fails (redis-py's default is no retry) and a request
+    in flight would fail for a connection the pool replaces at once. Skyline's
+    writes are safe to repeat: stream entries are deduplicated by the hand-off
+    and the run claim, output frames by their number (skyline/runs.py), and
+    the rest are idempotent or estimates (the backlog counter).
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError, ConnectionError, OSError]}
 
 
 # How the sentinels themselves are reached: plain TCP without credentials (the URL's

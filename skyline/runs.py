@@ -53,12 +53,15 @@ for _, t in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do out[#out + 1] = tonu
 return out
 """
 
-# KEYS: run hash, output log. ARGV: attempt, ttl s, channel, payload, final (0/1), token ids...
-# Returns the PUBLISH receiver count, or -1 when fenced.
+# KEYS: run hash, output log. ARGV: attempt, ttl s, channel, payload, final (0/1), frame number, token ids...
+# Returns the PUBLISH receiver count, or -1 when fenced. A frame already applied (the
+# call was retried after a broken connection) is not applied again.
 _PUBLISH = """
-if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') ~= tonumber(ARGV[1]) then return -1 end
-if #ARGV > 5 then
-  if redis.call('RPUSH', KEYS[2], unpack(ARGV, 6)) == #ARGV - 5 then  -- the list is new: give it a lifetime
+local run = redis.call('HMGET', KEYS[1], 'attempt', 'frames')
+if tonumber(run[1] or '0') ~= tonumber(ARGV[1]) then return -1 end
+if tonumber(run[2] or '0') > tonumber(ARGV[6]) then return 1 end
+if #ARGV > 6 then
+  if redis.call('RPUSH', KEYS[2], unpack(ARGV, 7)) == #ARGV - 6 then  -- the list is new: give it a lifetime
     redis.call('EXPIRE', KEYS[2], ARGV[2])
   end
 end
@@ -112,7 +115,8 @@ class Runs:
         return RunClaim(attempt=int(res[0]), done=bool(res[1]), frames=int(res[2]), output=[int(t) for t in res[3:]])
 
     def publish_args(self, request_id: str, attempt: int, channel: str, payload: bytes, final: bool,
-                     token_ids: list[int]) -> tuple[list[str], list]:
-        """KEYS and ARGV of one fenced publish (run in a pipeline by the BatchPublisher)."""
+                     token_ids: list[int], frame: int) -> tuple[list[str], list]:
+        """KEYS and ARGV of one fenced publish (run in a pipeline by the BatchPublisher).
+        `frame`: the frame's number in the request's stream (its `seq`)."""
         return ([self.keys.run(request_id), self.keys.output(request_id)],
-                [attempt, self.ttl_s, channel, payload, 1 if final else 0, *token_ids])
+                [attempt, self.ttl_s, channel, payload, 1 if final else 0, frame, *token_ids])

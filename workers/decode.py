@@ -164,7 +164,7 @@ class _Stream:
 
     async def send(self, frame: messages.Message, token_ids: list[int], final: bool = False) -> int:
         keys, args = self.h.rt.runs.publish_args(self.req.request_id, self.run.attempt, self.channel,
-                                                 messages.encode(frame), final, token_ids)
+                                                 messages.encode(frame), final, token_ids, self.seq)
         receivers = await self.h.publisher.publish(keys, args)
         if receivers == FENCED:
             raise Fenced(f"{self.req.request_id}: attempt {self.run.attempt} was taken over")
