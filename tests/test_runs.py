@@ -1,0 +1,47 @@
+"""The delivery-state scripts (skyline/runs.py) against a real Redis: hand-off once,
+claims fence earlier owners, frames applied once and logged for migration."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from skyline.keys import Keys
+from skyline.runs import FENCED, Runs
+
+
+async def test_hand_off_happens_once(redis_url, key_prefix):
+    r = aioredis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    runs = Runs(r, keys, ttl_s=60)
+    stream = keys.stream("decode", "standard")
+    first = await runs.hand_off("req-1", stream, {"id": "req-1", "msg": b"x"}, "prefill-a", 1000)
+    again = await runs.hand_off("req-1", stream, {"id": "req-1", "msg": b"y"}, "prefill-b", 1000)
+    assert first and again is None
+    assert await r.xlen(stream) == 1 and await r.hget(keys.run("req-1"), "handoff") == b"prefill-a"
+    await r.aclose()
+
+
+async def test_claims_fence_earlier_owners_and_frames_apply_once(redis_url, key_prefix):
+    r = aioredis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    runs = Runs(r, keys, ttl_s=60)
+    channel = keys.tokens("req-2")
+
+    async def publish(attempt: int, frame: int, tokens: list[int], final: bool = False) -> int:
+        k, a = runs.publish_args("req-2", attempt, channel, b"frame", final, tokens, frame)
+        return await runs.publish_script(keys=k, args=a)
+
+    first = await runs.claim("req-2", "decode-a")
+    assert (first.attempt, first.frames, first.output, first.done) == (1, 0, [], False)
+    assert await publish(1, 0, [10, 11]) == 0  # nobody subscribed, but applied
+    assert await publish(1, 0, [10, 11]) == 1  # the same frame again (a retried call): not applied twice
+    assert await publish(1, 1, [12]) == 0
+
+    second = await runs.claim("req-2", "decode-b")  # a takeover
+    assert (second.attempt, second.frames, second.output) == (2, 2, [10, 11, 12])
+    assert second.resumed
+    assert await publish(1, 2, [99]) == FENCED  # the old owner can no longer publish
+    assert await publish(2, 2, [13], final=True) == 0
+    third = await runs.claim("req-2", "decode-c")
+    assert third.done and third.output == []  # final frame sent: nothing to resume, only the ack is left
+    await r.aclose()
