@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
     gw.add_argument("--mode", choices=["disagg", "colocated"])
+    gw.add_argument("--min-remote-prefill-tokens", type=int,
+                    help="disagg: prompts shorter than this are prefilled on the decode worker (default 256; 0 = never)")
     gw.add_argument("--api-key", action="append", help="require this API key (repeatable; env SKYLINE_API_KEYS)")
 
     wk = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -151,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         "worker": {"role": g("role"), "worker_id": g("worker_id"), "max_running": g("max_running"),
                    "advertise_host": g("advertise_host") or os.environ.get("SKYLINE_ADVERTISE_HOST"),
                    "metrics_port": g("metrics_port")},
-        "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys},
+        "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys,
+                    "min_remote_prefill_tokens": g("min_remote_prefill_tokens")},
         "observability": {"log_format": g("log_format")},
     }
     cfg = load_config(g("config") or os.environ.get("SKYLINE_CONFIG"), overrides)

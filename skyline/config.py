@@ -106,7 +106,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     mode: str = "disagg"  # "disagg" (prefill pool -> decode pool) or "colocated" (decode pool only)
-    min_remote_prefill_tokens: int = 0  # disagg: shorter prompts are prefilled on the decode worker
+    min_remote_prefill_tokens: int = 256  # disagg: shorter prompts are prefilled on the decode worker (their KV move costs more than it saves)
     max_prefill_backlog_tokens: int = 0  # disagg: beyond this prefill backlog, prefill on the decode worker (0 = never)
     api_keys: tuple[str, ...] = ()  # empty = no authentication
     api_key_file: str = ""  # more keys, one per line (# comments); read at start, added to api_keys

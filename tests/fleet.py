@@ -22,7 +22,14 @@ class Fleet:
     broken fleet explains itself in the test output.
     """
 
-    def __init__(self, redis_url: str, key_prefix: str, engine: str, log_dir: Path, extra: list[str] | None = None):
+    # The end-to-end tests exercise the disaggregated path with short prompts, which the
+    # default config prefills on the decode worker (min_remote_prefill_tokens = 256):
+    # their gateways send every prompt to the prefill pool unless a test says otherwise.
+    EVERY_PROMPT_REMOTE = ("--min-remote-prefill-tokens", "0")
+
+    def __init__(self, redis_url: str, key_prefix: str, engine: str, log_dir: Path, extra: list[str] | None = None,
+                 gateway_args: tuple[str, ...] = EVERY_PROMPT_REMOTE):
+        self.gateway_args = gateway_args
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.engine = engine
@@ -49,7 +56,7 @@ class Fleet:
         return proc
 
     def start_gateway(self, *args: str) -> None:
-        self.start("gateway", ["gateway", *self._common(), "--port", str(self.port), *args])
+        self.start("gateway", ["gateway", *self._common(), "--port", str(self.port), *self.gateway_args, *args])
 
     def start_worker(self, name: str, role: str, *args: str) -> subprocess.Popen:
         return self.start(name, ["worker", role, *self._common(), "--worker-id", name, *args])

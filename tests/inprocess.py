@@ -19,8 +19,10 @@ from skyline.workers.runtime import WorkerRuntime
 async def start_fleet(redis_url: str, key_prefix: str, timing: SimTiming, suffix: str, **worker_options):
     """(cfg, redis client, [prefill runtime, decode runtime], tasks); workers are named `<role>-<suffix>`."""
     cfg = SkylineConfig(key_prefix=key_prefix)
+    # Short test prompts take the disaggregated path (the default prefills them on the decode worker).
     cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url),
-                  worker=replace(cfg.worker, heartbeat_s=0.2, **worker_options))
+                  worker=replace(cfg.worker, heartbeat_s=0.2, **worker_options),
+                  gateway=replace(cfg.gateway, min_remote_prefill_tokens=0))
     runtimes, tasks = [], []
     for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
         rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-{suffix}"))

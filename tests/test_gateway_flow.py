@@ -56,7 +56,7 @@ class HandWorker:
 
 
 def make_cfg(redis_url: str, key_prefix: str, **gateway: object) -> SkylineConfig:
-    gw = replace(GatewayConfig(), worker_liveness_s=600, **gateway)
+    gw = replace(GatewayConfig(), worker_liveness_s=600, **{"min_remote_prefill_tokens": 0, **gateway})
     return SkylineConfig(redis=RedisConfig(url=redis_url), gateway=gw, key_prefix=key_prefix)
 
 

@@ -20,7 +20,7 @@ MAX_MODEL_LEN = 256  # SimTokenizer: one token per UTF-8 byte
 
 
 def make_cfg(redis_url: str, key_prefix: str, **gateway: object) -> SkylineConfig:
-    gw = replace(GatewayConfig(), max_body_bytes=20_000, worker_liveness_s=600, **gateway)
+    gw = replace(GatewayConfig(), max_body_bytes=20_000, worker_liveness_s=600, **{"min_remote_prefill_tokens": 0, **gateway})
     return SkylineConfig(redis=RedisConfig(url=redis_url), gateway=gw, key_prefix=key_prefix)
 
 

@@ -129,7 +129,7 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
 
 async def test_a_request_refused_after_parsing_counts_as_missed_and_is_traced(redis_url, key_prefix):
     cfg = SkylineConfig(redis=RedisConfig(url=redis_url), key_prefix=key_prefix,
-                        gateway=replace(GatewayConfig(), worker_liveness_s=600))
+                        gateway=replace(GatewayConfig(), worker_liveness_s=600, min_remote_prefill_tokens=0))
     # No prefill worker: a disagg request gets 503 after it was parsed and given a tier.
     await asyncio.to_thread(announce_workers, redis_url, Keys(key_prefix), "decode", model=MODEL)
     with GatewayThread(cfg, SimTokenizer(), MODEL, 4096) as gw:

@@ -153,7 +153,7 @@ class LinearModel(PerfModel):
 
 
 def _fleet(mode="disagg", **kw):
-    cfg = with_overrides(load_config(None), admission=False, preemption=False)
+    cfg = with_overrides(load_config(None), admission=False, preemption=False, min_remote_prefill_tokens=0)
     m = LinearModel()
     return Simulation(cfg, FleetSpec(mode, 1 if mode == "disagg" else 0, 1), m, m, record_itl=True, overhead_s=0.0)
 

@@ -58,7 +58,7 @@ def test_calibration_against_the_measured_quick_run(system, profile):
 def test_preemption_lets_an_interactive_prompt_overtake_long_batch_prompts():
     """Six long batch-tier prompts hold the prefill worker; an interactive one arrives a second later."""
     m = roofline("A100", "opt-13b", max_step_tokens=512)
-    cfg = with_overrides(load_config(None), admission=False)
+    cfg = with_overrides(load_config(None), admission=False, min_remote_prefill_tokens=0)
     for preemption, expect_fast in ((True, True), (False, False)):
         cfg2 = with_overrides(cfg, preemption=preemption)
         rag = [SimRequest(i, "rag", "batch", 0.0, 1900, 8, 1e9, 1e9) for i in range(6)]

@@ -35,7 +35,7 @@ PAPER_CHATBOT_GAIN = (2.0, 4.6)
 
 def _fleet_goodput(fleet: FleetSpec, perf_prefill, perf_decode, rates: list[float], requests: int,
                    seed: int, sharegpt: dict | None) -> tuple[dict, list[tuple[float, float]]]:
-    cfg = with_overrides(load_config(None), admission=False, max_running=256)
+    cfg = with_overrides(load_config(None), admission=False, max_running=256, min_remote_prefill_tokens=0)  # the paper disaggregates every prompt
     spec = WorkloadSpec(mix=1.0, chat_tier="interactive", seed=seed)
     points = []
     for rate in rates:

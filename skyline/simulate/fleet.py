@@ -242,10 +242,12 @@ class Simulation:
 
 
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
-                   max_running: int | None = None) -> SkylineConfig:
+                   max_running: int | None = None, min_remote_prefill_tokens: int | None = None) -> SkylineConfig:
     """The config the simulated fleet runs with, after command-line overrides."""
     if admission is not None:
         cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
+    if min_remote_prefill_tokens is not None:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, min_remote_prefill_tokens=min_remote_prefill_tokens))
     worker = cfg.worker
     if preemption is not None:
         worker = replace(worker, preemption=preemption)

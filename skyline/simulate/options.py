@@ -51,6 +51,8 @@ def add_simulate_parser(sub) -> None:
     fleet.add_argument("--config", help="Skyline TOML config: tiers, admission, worker limits (deploy/skyline.toml)")
     fleet.add_argument("--no-admission", dest="admission", action="store_false", default=None)
     fleet.add_argument("--no-preemption", dest="preemption", action="store_false", default=None)
+    fleet.add_argument("--min-remote-prefill-tokens", type=int,
+                       help="disagg: prompts shorter than this are prefilled on the decode worker (default: the config's)")
     fleet.add_argument("--max-running", type=int, help="requests a worker holds at once")
     fleet.add_argument("--step-tokens", type=int, help="tokens per engine step (chunked prefill); default: the "
                                                        "profile's, or 8192 on GPUs")
