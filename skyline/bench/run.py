@@ -177,14 +177,23 @@ class Bench:
                     done = sum(1 for r in runs if r["system"] == spec.name)
                     bar.update(sum(self.n_for(r) for r in self.rates[done:]))
                 systems[spec.name]["wall_s"] = round(time.monotonic() - t0, 1)
+                # Written after every system, so a long run stopped halfway keeps what it measured.
+                partial = self._results(started, load_start, systems, runs, probe, records, complete=False)
+                report.write(partial, self.out)
+        results = self._results(started, load_start, systems, runs, probe, records, complete=True)
+        return results, report.write(results, self.out)
+
+    def _results(self, started: str, load_start: str, systems: dict, runs: list, probe: list, records: list,
+                 complete: bool) -> dict:
         goodput = {}
         for name in systems:
             points = [(r["rate"], r["summary"]["attainment"]) for r in runs if r["system"] == name]
             if points:
                 goodput[name] = metrics.goodput(points)
-        results = _clean({
+        return _clean({
             "benchmark": "skyline bench run",
             "command": self.command,
+            "complete": complete,
             "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": load_start,
                         "loadavg_end": _loadavg()},
@@ -197,7 +206,6 @@ class Bench:
             "slo": self.targets.to_dict() if self.targets else {"ttft_ms": {}, "tpot_ms": {}, "source": "not measured"},
             "systems": systems, "goodput": goodput, "runs": runs, "probe": probe, "records": records,
         })
-        return results, report.write(results, self.out)
 
 
 def main(args: argparse.Namespace) -> None:
