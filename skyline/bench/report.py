@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+from skyline.bench.goals import goals
 from skyline.bench.metrics import SLO_GOAL, format_goodput
 
 DEFINITIONS = (
@@ -84,10 +85,24 @@ def markdown(results: dict) -> str:
         g = results["goodput"].get(name)
         cell = format_goodput(g) if g else "n/a"
         lines.append(f"| {name} | {cell} | {info['status']}{': ' + info['error'] if info.get('error') else ''} |")
+    lines += _goal_lines(results)
     lines += ["", "## Definitions", "", DEFINITIONS, "", "Workload: " + _workload_line(results["config"]), "",
               "Files: `results.json` (every request record + these summaries), `attainment_vs_rate.png`, "
               "`ttft_cdf_by_tier.png`, `throughput_vs_rate.png`, `logs/` (each process's output).", ""]
     return "\n".join(lines)
+
+
+def _goal_lines(results: dict) -> list[str]:
+    rows = goals(results)
+    if not rows:
+        return []
+    lines = ["", "## Goals (ratios within this run; baseline: the first system)", "",
+             "| goal | system | measured | target | met | from |", "|---|---|---|---|---|---|"]
+    for g in rows:
+        shown = "-" if g.value is None else (_pct(g.value) if g.target.endswith("%") else f"{g.value:.2f}x")
+        met = {True: "yes", False: "**no**", None: "can't tell"}[g.met]
+        lines.append(f"| {g.name} | {g.system} | {shown} | {g.target} | {met} | {g.detail} |")
+    return lines
 
 
 def _workload_line(cfg: dict) -> str:
