@@ -115,13 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     ch.add_argument("--out", help="also write the JSON result to this file")
     bu = bsub.add_parser("burst", help="an interactive chat right after six ~1,500-token RAG prompts (real vLLM)")
-    bu.add_argument("--min-remote-prefill-tokens", type=int, default=0,
-                    help="conditional disaggregation: shorter prompts are prefilled on the decode worker")
+    bu.add_argument("--min-remote-prefill-tokens", type=int, default=256,
+                    help="conditional disaggregation: shorter prompts are prefilled on the decode worker (default 256, the gateway default)")
     bu.add_argument("--trials", type=int, default=3)
     bu.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     bu.add_argument("--out", help="also write the JSON result to this file")
     from skyline.bench.options import add_run_arguments  # argparse only: cheap
 
+    mg = bsub.add_parser("merge", help="one report from several `bench run` results of the same benchmark "
+                                       "(e.g. more rates run later with the first run's SLO targets)")
+    mg.add_argument("results", nargs="+", help="results.json files, the first one's settings win")
+    mg.add_argument("--out", required=True, help="folder for the merged results.json, report.md and plots")
     br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")
     add_run_arguments(br)
 
@@ -203,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
             from skyline.bench.run import main as run_main
 
             run_main(args)
+            return
+        if args.bench == "merge":
+            from skyline.bench.merge import main as merge_main
+
+            merge_main(args)
             return
         if args.bench == "burst":
             from skyline.bench.burst import main as burst_main
