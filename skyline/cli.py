@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mg = bsub.add_parser("merge", help="one report from several `bench run` results of the same benchmark "
                                        "(e.g. more rates run later with the first run's SLO targets)")
-    mg.add_argument("results", nargs="+", help="results.json files, the first one's settings win")
+    mg.add_argument("results", nargs="+", help="results.json files (FILE.json:SYS,SYS takes only those systems); the first one's settings win")
     mg.add_argument("--out", required=True, help="folder for the merged results.json, report.md and plots")
     br = bsub.add_parser("run", help="SLO benchmark: vLLM FCFS/priority vs Skyline colocated/disagg, open-loop rate sweep")
     add_run_arguments(br)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from skyline.bench.merge import MergeError, merge
+from skyline.bench.merge import MergeError, merge, select
 
 
 def part(rates, systems=("vllm-fcfs", "skyline-colocated"), ttft=574.3, attain=1.0):
@@ -56,3 +56,12 @@ def test_a_failed_system_in_any_part_stays_failed():
     low, high = part([0.1]), part([1.0])
     high["systems"]["skyline-colocated"] = {"status": "failed", "error": "boom", "wall_s": 1.0}
     assert merge([low, high])["systems"]["skyline-colocated"]["status"] == "failed"
+
+
+def test_a_system_measured_again_replaces_the_first_measurement_when_selected():
+    first, again = part([0.1, 0.5]), part([0.1, 0.5], systems=("skyline-colocated",), attain=0.5)
+    m = merge([select(first, ["vllm-fcfs"]), again])
+    assert m["config"]["systems"] == ["vllm-fcfs", "skyline-colocated"]
+    assert {r["summary"]["attainment"] for r in m["runs"] if r["system"] == "skyline-colocated"} == {0.5}
+    with pytest.raises(MergeError, match="no system vllm-x"):
+        select(first, ["vllm-x"])

@@ -163,6 +163,8 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
             t_kill = time.monotonic()
     took = time.monotonic() - t_kill
     assert killed is not None
-    assert ext["decode_attempts"] == 2 and ext["decode_worker"] != killed
+    # At least one takeover. On a starved 2-core machine the newly started worker can miss its
+    # heartbeats and be taken over (and fenced) once more before the kill: still one correct stream.
+    assert ext["decode_attempts"] >= 2 and ext["decode_worker"] != killed
     print(f"migrated after token {ext['resumed_at_token']}; rest of the stream took {took:.1f} s")
     assert text == want

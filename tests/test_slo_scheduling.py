@@ -3,11 +3,11 @@
 import asyncio
 
 import pytest
+from skyline.workers.engines.sim import SimTiming
 
 from skyline import messages as m
 from skyline.keys import Keys
 from skyline.streams import enqueue, now_ms
-from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet
 
 # 1 ms per prompt token: a 1,500-token "RAG" prompt takes 1.5 s to prefill, in 256-token chunks.
@@ -100,5 +100,39 @@ async def test_preemption_is_bounded_so_batch_still_finishes(redis_url, key_pref
         await asyncio.wait_for(asyncio.gather(*(w["task"] for w in watches)), 60)
         assert all(isinstance(w["final"], m.Finished) for w in watches)
         assert runtimes[0].counters["preempted"] <= 2 * cfg.worker.max_preemptions
+    finally:
+        await stop_fleet(client, runtimes, tasks)
+
+
+@pytest.mark.parametrize("rag_prompts", [1, 3])
+async def test_colocated_decode_worker_preempts_its_own_long_prompts(redis_url, key_prefix, rag_prompts):
+    """A decode worker that computes prompts itself (colocated route) holds them to the same
+    budget and preempts them like a prefill worker: with one long prompt in its engine it
+    preempts when the interactive request is claimed; with three it stops claiming at the
+    budget and preempts for the head of the streams."""
+    cfg, client, runtimes, tasks = await start_slo_fleet(redis_url, key_prefix, True)
+    keys = Keys(key_prefix)
+    decode_rt = runtimes[1]
+    try:
+        rag = [make_request(cfg, f"rag-{i}", "batch", 1500) for i in range(rag_prompts)]
+        watches = {r.request_id: await watch(client, keys, r.request_id) for r in rag}
+        for r in rag:
+            await enqueue(client, keys, "decode", m.DecodeWork(r), 1000)
+        await asyncio.sleep(0.3)  # the decode worker is now computing RAG prompts
+        assert decode_rt.local_prefills, "the decode worker should be prefilling RAG prompts itself"
+        chat = make_request(cfg, "chat", "interactive", 30)
+        w_chat = await watch(client, keys, "chat")
+        await enqueue(client, keys, "decode", m.DecodeWork(chat), 1000)
+        await asyncio.wait_for(w_chat["task"], 20)
+        ttft = w_chat["first_ms"] - chat.arrival_ms
+        assert ttft <= cfg.tier("interactive").ttft_ms, f"interactive TTFT {ttft} ms on a colocated decode worker"
+        await asyncio.wait_for(asyncio.gather(*(w["task"] for w in watches.values())), 60)
+        assert all(isinstance(w["final"], m.Finished) for w in watches.values())
+        assert decode_rt.counters["preempted"] >= 1
+        for _ in range(50):  # the final frame goes out just before the worker counts the request done
+            if decode_rt.counters["completed"] == rag_prompts + 1:
+                break
+            await asyncio.sleep(0.05)
+        assert decode_rt.counters["completed"] == rag_prompts + 1 and not decode_rt.local_prefills
     finally:
         await stop_fleet(client, runtimes, tasks)

@@ -70,6 +70,7 @@ class DecodeHandler:
                     if chunk.token_ids or chunk.text:
                         if not first_token_ms:
                             first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
+                            self.rt.local_prefill_done(req.request_id)
                             if kv_handle is None:
                                 await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
                         await stream.delta(chunk.token_ids, chunk.text)

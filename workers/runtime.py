@@ -19,6 +19,7 @@ The role-specific part is a `handle(claimed)` coroutine (prefill.py, decode.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -66,6 +67,10 @@ class WorkerRuntime:
         self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s)
         self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
         self.prompt_tokens_in_flight = 0
+        # Decode: prompts this worker computes itself (colocated route) that have no first token
+        # yet, id -> tokens. They hold the engine's step budget like a prefill worker's prompts,
+        # so the same budget and the same preemption apply to them.
+        self.local_prefills: dict[str, int] = {}
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
@@ -148,7 +153,13 @@ class WorkerRuntime:
             return False
         if self.role == "prefill":
             return self.prompt_tokens_in_flight < self.cfg.worker.prefill_token_budget
+        if sum(self.local_prefills.values()) >= self.cfg.worker.prefill_token_budget:
+            return False
         return self.engine.stats().kv_usage < self.cfg.worker.kv_watermark
+
+    def local_prefill_done(self, request_id: str) -> None:
+        """Decode: a prompt computed here produced its first token; it no longer holds the step budget."""
+        self.local_prefills.pop(request_id, None)
 
     def tokens_per_s(self) -> float:
         return self.meter.tokens_per_s(now_ms()) or self.cfg.worker.prior_prefill_tokens_per_s
@@ -161,17 +172,26 @@ class WorkerRuntime:
         if not heads:
             return
         head = min(heads.values(), key=lambda h: (h.deadline_ms, self.tier_rank.get(h.tier, 99)))
+        await self._preempt_for(head.tier, Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms,
+                                                   head.prompt_tokens))
+
+    async def _preempt_for(self, tier: str, waiting: Waiting) -> None:
+        """Abort the prompts in the way of `waiting` (a request of `tier`) if it would miss its deadline.
+
+        Called for the head of the streams while the worker is full, and for each
+        request as it is claimed: the engine gives its step budget to the prompts it
+        already runs before a newcomer, whatever their priorities."""
         running = []
         for rid, (_task, claimed) in self.in_flight.items():
             req = _request_of(claimed.message)
-            if rid not in self.preempting:
+            # Decode workers preempt only prompts they are still computing, never a stream in progress.
+            if rid not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
                 running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
                                        len(req.prompt_token_ids), req.preemptions))
-        waiting = Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms, head.prompt_tokens)
         for victim in choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s()):
-            log.info("preempting %s for a %s request due in %d ms", victim, head.tier, head.deadline_ms - now_ms())
+            log.info("preempting %s for a %s request due in %d ms", victim, tier, waiting.deadline_ms - now_ms())
             self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
-                               for_tier=head.tier)
+                               for_tier=tier)
             self.preempting.add(victim)
             await self.engine.abort(victim)
             self.in_flight[victim][0].cancel()
@@ -180,7 +200,9 @@ class WorkerRuntime:
         """Put a preempted request back with its original arrival and deadline, then ack
         the old entry: EDF brings it back in turn; only its prefill is recomputed."""
         req = _request_of(claimed.message)
-        again = messages.GenerateRequest(**{**req.__dict__, "preemptions": req.preemptions + 1})
+        again_req = dataclasses.replace(req, preemptions=req.preemptions + 1)
+        again = (dataclasses.replace(claimed.message, request=again_req)
+                 if isinstance(claimed.message, messages.DecodeWork) else again_req)
         await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen)
         self.timeline.emit(req.request_id, "requeued", stage=self.stage, tier=req.tier, reason="preempted")
         await self.queues.ack(claimed)
@@ -243,7 +265,7 @@ class WorkerRuntime:
                     log.warning("reclaim check failed: %s", exc)
             if not self.has_room():
                 room.clear()
-                if self.role == "prefill" and self.preemption.enabled:
+                if self.preemption.enabled and (self.role == "prefill" or self.local_prefills):
                     try:
                         await self._maybe_preempt()
                     except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
@@ -268,12 +290,23 @@ class WorkerRuntime:
                 continue
             if claimed is None:
                 continue
+            if self.preemption.enabled and self._computes_prompt(claimed):
+                req = _request_of(claimed.message)
+                await self._preempt_for(req.tier, Waiting(self.tier_rank.get(req.tier, 99), req.deadline_ms,
+                                                          len(req.prompt_token_ids)))
             self._start(claimed, room)
+
+    def _computes_prompt(self, claimed: Claimed) -> bool:
+        """Will this worker's engine compute the entry's prompt (and so compete for its step budget)?"""
+        msg = claimed.message
+        return self.role == "prefill" or (isinstance(msg, messages.DecodeWork) and msg.kv_handle is None)
 
     def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
         rid = _request_of(claimed.message).request_id
         tokens = len(_request_of(claimed.message).prompt_token_ids)
         self.prompt_tokens_in_flight += tokens
+        if self.role == "decode" and self._computes_prompt(claimed):
+            self.local_prefills[rid] = tokens
         observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
 
         async def guarded() -> None:
@@ -315,6 +348,7 @@ class WorkerRuntime:
                 self.preempting.discard(rid)
                 self.handing_back.discard(rid)
                 self.in_flight.pop(rid, None)
+                self.local_prefills.pop(rid, None)
                 self.prompt_tokens_in_flight -= tokens
                 room.set()
 

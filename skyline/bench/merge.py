@@ -4,7 +4,9 @@ A sweep is extended without rerunning it: run the extra rates with the SLO
 targets of the first run given explicitly (`--slo-ttft-ms`, `--slo-tpot-ms`),
 then merge. Runs merge only when they measured the same thing: the same
 workload (rates aside) and the same SLO targets; a (system, rate) measured
-twice is refused rather than silently picked.
+twice is refused rather than silently picked. `results.json:SYS1,SYS2` takes
+only those systems of a run (e.g. the baselines of a first run, next to the
+Skyline systems measured again after a change).
 """
 
 from __future__ import annotations
@@ -80,9 +82,27 @@ def merge(parts: list[dict]) -> dict:
     }
 
 
+def select(results: dict, systems: list[str]) -> dict:
+    """Only `systems` of a run (pure)."""
+    missing = [s for s in systems if s not in results["config"]["systems"]]
+    if missing:
+        raise MergeError(f"no system {', '.join(missing)} in that run (it has {', '.join(results['config']['systems'])})")
+    keep = set(systems)
+    return {**results, "config": {**results["config"], "systems": [s for s in results["config"]["systems"] if s in keep]},
+            "systems": {k: v for k, v in results["systems"].items() if k in keep},
+            "runs": [r for r in results["runs"] if r["system"] in keep],
+            "records": [r for r in results["records"] if r["system"] in keep]}
+
+
+def _load(spec: str) -> dict:
+    path, _, systems = spec.partition(".json:")
+    results = json.loads(Path(path + ".json" if systems else spec).read_text())
+    return select(results, systems.split(",")) if systems else results
+
+
 def main(args: argparse.Namespace) -> None:
-    parts = [json.loads(Path(p).read_text()) for p in args.results]
     try:
+        parts = [_load(p) for p in args.results]
         merged = merge(parts)
     except MergeError as exc:
         raise SystemExit(f"skyline bench merge: {exc}") from None
