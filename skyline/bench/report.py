@@ -99,7 +99,7 @@ def _goal_lines(results: dict) -> list[str]:
     lines = ["", "## Goals (ratios within this run; baseline: the first system)", "",
              "| goal | system | measured | target | met | from |", "|---|---|---|---|---|---|"]
     for g in rows:
-        shown = "-" if g.value is None else (_pct(g.value) if g.target.endswith("%") else f"{g.value:.2f}x")
+        shown = "-" if g.value is None else (_pct(g.value) if g.target.endswith("%") else f"{g.value:.3f}x")
         met = {True: "yes", False: "**no**", None: "can't tell"}[g.met]
         lines.append(f"| {g.name} | {g.system} | {shown} | {g.target} | {met} | {g.detail} |")
     return lines
