@@ -74,18 +74,21 @@ async def enqueue(
     return _s(entry_id)
 
 
+def needs_prefill(msg: messages.Message) -> bool:
+    """Does this work still need its prompt computed (anything but decode work carrying a KV handle)?"""
+    return not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
+
+
 def entry_fields(msg: messages.GenerateRequest | messages.DecodeWork) -> dict:
     """A stream entry: the msgpack body plus a few plain fields that make `XRANGE`
     readable for an operator and let workers peek at heads without decoding."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
-    # Work that still needs its prompt computed (not decode work carrying a KV handle).
-    needs_prefill = not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
     return {
         "id": req.request_id,
         "tier": req.tier,
         "deadline_ms": req.deadline_ms,
         "prompt_tokens": len(req.prompt_token_ids),
-        "prefill_tokens": len(req.prompt_token_ids) if needs_prefill else 0,
+        "prefill_tokens": len(req.prompt_token_ids) if needs_prefill(msg) else 0,
         "max_tokens": req.sampling.max_tokens,
         "msg": messages.encode(msg),
     }

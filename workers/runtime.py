@@ -38,7 +38,7 @@ from skyline.reaper import forget_departed, reclaim
 from skyline.runs import Runs
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, now_ms
+from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import Engine
 
@@ -172,11 +172,10 @@ class WorkerRuntime:
         if not heads:
             return
         head = min(heads.values(), key=lambda h: (h.deadline_ms, self.tier_rank.get(h.tier, 99)))
-        await self._preempt_for(head.tier, Waiting(self.tier_rank.get(head.tier, 99), head.deadline_ms,
-                                                   head.prompt_tokens))
+        await self._preempt_for(head.tier, head.deadline_ms, head.prompt_tokens)
 
-    async def _preempt_for(self, tier: str, waiting: Waiting) -> None:
-        """Abort the prompts in the way of `waiting` (a request of `tier`) if it would miss its deadline.
+    async def _preempt_for(self, tier: str, deadline_ms: int, prompt_tokens: int) -> None:
+        """Abort the prompts in the way of a request of `tier` if it would miss its deadline.
 
         Called for the head of the streams while the worker is full, and for each
         request as it is claimed: the engine gives its step budget to the prompts it
@@ -188,8 +187,9 @@ class WorkerRuntime:
             if rid not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
                 running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
                                        len(req.prompt_token_ids), req.preemptions))
+        waiting = Waiting(self.tier_rank.get(tier, 99), deadline_ms, prompt_tokens)
         for victim in choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s()):
-            log.info("preempting %s for a %s request due in %d ms", victim, tier, waiting.deadline_ms - now_ms())
+            log.info("preempting %s for a %s request due in %d ms", victim, tier, deadline_ms - now_ms())
             self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
                                for_tier=tier)
             self.preempting.add(victim)
@@ -290,22 +290,16 @@ class WorkerRuntime:
                 continue
             if claimed is None:
                 continue
-            if self.preemption.enabled and self._computes_prompt(claimed):
+            if self.preemption.enabled and needs_prefill(claimed.message):  # it will compete for the step budget
                 req = _request_of(claimed.message)
-                await self._preempt_for(req.tier, Waiting(self.tier_rank.get(req.tier, 99), req.deadline_ms,
-                                                          len(req.prompt_token_ids)))
+                await self._preempt_for(req.tier, req.deadline_ms, len(req.prompt_token_ids))
             self._start(claimed, room)
-
-    def _computes_prompt(self, claimed: Claimed) -> bool:
-        """Will this worker's engine compute the entry's prompt (and so compete for its step budget)?"""
-        msg = claimed.message
-        return self.role == "prefill" or (isinstance(msg, messages.DecodeWork) and msg.kv_handle is None)
 
     def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
         rid = _request_of(claimed.message).request_id
         tokens = len(_request_of(claimed.message).prompt_token_ids)
         self.prompt_tokens_in_flight += tokens
-        if self.role == "decode" and self._computes_prompt(claimed):
+        if self.role == "decode" and needs_prefill(claimed.message):
             self.local_prefills[rid] = tokens
         observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
 
