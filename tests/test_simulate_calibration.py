@@ -13,12 +13,12 @@ from skyline.bench.workload import WorkloadSpec
 from skyline.config import load_config
 from skyline.simulate import calibrate, summary
 from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf import PerfModel
 from skyline.simulate.perf_profile import ProfileModel
 from skyline.simulate.request import SimRequest
 from skyline.simulate.roofline import roofline
 from skyline.simulate.systems import role_slowdowns
 from skyline.simulate.workload import synthetic
+from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
@@ -49,27 +49,9 @@ def test_slowdown_and_handoff_overrides_scale_the_engine_not_the_transfer():
     assert role_slowdowns(None) == {"prefill": None, "decode": None}
 
 
-class ConstantModel(PerfModel):
-    """Prefill 1 ms per token; decode steps of 100 ms; no transfer."""
-
-    name, max_step_tokens, kv_capacity_tokens = "constant", 100_000, 1_000_000
-
-    def prefill_step_s(self, chunks):
-        return 0.001 * sum(n for _, n in chunks)
-
-    def decode_coeffs(self, batch, context):
-        return 0.1, 0.0
-
-    def mixed_step_s(self, chunks, batch, context):
-        return self.prefill_step_s(chunks) + 0.1
-
-    def kv_transfer_s(self, tokens):
-        return 0.0
-
-
 def test_engines_sharing_a_host_slow_each_other_only_while_both_are_busy():
     cfg = with_overrides(load_config(None), admission=False, preemption=False)
-    m = ConstantModel()
+    m = HandModel("constant", prefill_tokens_per_s=1000)  # 1 ms per prompt token, decode steps of 100 ms
 
     def run(factor):
         a = SimRequest(0, "chat", "interactive", 0.0, 100, 31, 1e9, 1e9)  # decodes from 0.1 s to ~3.1 s

@@ -10,11 +10,12 @@ from skyline.bench.workload import WorkloadSpec
 from skyline.config import load_config
 from skyline.simulate.events import EventLoop
 from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf import PerfModel, interp
+from skyline.simulate.perf import interp
 from skyline.simulate.perf_profile import ProfileModel
 from skyline.simulate.request import SimRequest
 from skyline.simulate.roofline import GPUS, MODELS, Efficiency, RooflineModel, roofline
 from skyline.simulate.workload import synthetic
+from tests.simmodels import HandModel
 
 # -- event engine ---------------------------------------------------------------------------------
 
@@ -134,27 +135,10 @@ def test_profile_refuses_foreign_json():
 # -- the decode batch in closed form ------------------------------------------------------------------------
 
 
-class LinearModel(PerfModel):
-    """step = 10 ms + 1 us per context token; prefill = 1 ms per token; no transfer time."""
-
-    name, max_step_tokens, kv_capacity_tokens = "linear", 100_000, 1_000_000
-
-    def prefill_step_s(self, chunks):
-        return 0.001 * sum(n for _, n in chunks)
-
-    def decode_coeffs(self, batch, context):
-        return 0.010, 1e-6
-
-    def mixed_step_s(self, chunks, batch, context):
-        return self.prefill_step_s(chunks) + self.decode_step_s(batch, context)
-
-    def kv_transfer_s(self, tokens):
-        return 0.0
-
-
 def _fleet(mode="disagg", **kw):
     cfg = with_overrides(load_config(None), admission=False, preemption=False, min_remote_prefill_tokens=0)
-    m = LinearModel()
+    # step = 10 ms + 1 us per context token; prefill = 1 ms per token; no transfer time
+    m = HandModel("linear", prefill_tokens_per_s=1000, step_s=0.010, s_per_context_token=1e-6)
     return Simulation(cfg, FleetSpec(mode, 1 if mode == "disagg" else 0, 1), m, m, record_itl=True, overhead_s=0.0)
 
 

@@ -9,29 +9,14 @@ import pytest
 from skyline.bench import metrics
 from skyline.config import load_config
 from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf import PerfModel
 from skyline.simulate.request import SimRequest
 from skyline.simulate.roofline import roofline
 from skyline.simulate.search import lower_bounds, search_colocated, search_disagg
 from skyline.simulate.systems import SimSystem
+from tests.simmodels import HandModel
 
-
-class FixedRateModel(PerfModel):
-    """Prefill 400 tokens/s in 100-token steps; every decode step 100 ms whatever the batch; no transfer."""
-
-    name, max_step_tokens, kv_capacity_tokens = "fixed-rate", 100, 1_000_000
-
-    def prefill_step_s(self, chunks):
-        return sum(n for _, n in chunks) / 400
-
-    def decode_coeffs(self, batch, context):
-        return 0.1, 0.0
-
-    def mixed_step_s(self, chunks, batch, context):
-        return self.prefill_step_s(chunks) + 0.1
-
-    def kv_transfer_s(self, tokens):
-        return 0.0
+# Prefill 400 tokens/s in 100-token steps; every decode step 100 ms whatever the batch; no transfer.
+FIXED_RATE = HandModel("fixed-rate", prefill_tokens_per_s=400, max_step_tokens=100)
 
 
 def _even_arrivals(n=300, gap=0.1):
@@ -44,7 +29,7 @@ def test_search_finds_the_split_a_hand_calculation_gives():
     0.1 s serves 4 req/s. At 10 req/s a fleet needs 3 of each: every 5-GPU split leaves one pool short
     (its queue grows by 2 req/s, so TTFT passes 1 s within seconds), and 2P+4D / 4P+2D fail the same way."""
     cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0)
-    m = FixedRateModel()
+    m = FIXED_RATE
     system = SimSystem("sim-disagg", FleetSpec("disagg", 1, 1), m, m)
     tried: list = []
     split = search_disagg(cfg, system, _even_arrivals(), 5.0, 8, (1, 1), tried)
@@ -56,7 +41,7 @@ def test_search_finds_the_split_a_hand_calculation_gives():
 
 def test_colocated_search_returns_the_smallest_fleet_that_meets_the_goal():
     cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0)
-    m = FixedRateModel()
+    m = FIXED_RATE
     system = SimSystem("sim-colocated", FleetSpec("colocated", 0, 1), m, m)
     reqs_of = _even_arrivals(200)
     tried: list = []
@@ -74,7 +59,7 @@ def test_a_colocated_prompt_leaves_the_backlog_at_its_first_token_and_is_metered
     """Live (workers/decode.py): the decode worker meters the prompts it prefills and releases
     them from the backlog at the first token, not when the answer ends."""
     cfg = with_overrides(load_config(None), admission=True)
-    m = FixedRateModel()
+    m = FIXED_RATE
     sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m)
     req = SimRequest(0, "chat", "interactive", 0.0, 100, 50, 1e9, 1e9)  # ~5 s of decoding after 0.25 s
     seen = {}
