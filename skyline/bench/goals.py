@@ -68,8 +68,13 @@ def _goodput_ratio(results: dict, system: str, vllm: list[str]) -> Goal:
     ratio = round(ratio, 9)  # 0.65 / 0.4333 is 1.5 up to float error
     lower_bound = mine["bound"] == "at_least"
     upper_bound = best["bound"] == "at_least"
-    met = True if lower_bound and ratio >= 1.5 else (False if upper_bound and ratio < 1.5 else
-                                                      (None if lower_bound or upper_bound else ratio >= 1.5))
+    # A bound decides the goal only on its own side of the target.
+    if lower_bound:
+        met = True if ratio >= 1.5 else None
+    elif upper_bound:
+        met = False if ratio < 1.5 else None
+    else:
+        met = ratio >= 1.5
     detail = (f"{system} {'>= ' if lower_bound else ''}{mine['rps']:.2f} req/s vs {best_name} "
               f"{'>= ' if upper_bound else ''}{best['rps']:.2f} req/s")
     return Goal("goodput vs the better vLLM", system, ratio, target, met, detail)
