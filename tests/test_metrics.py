@@ -118,7 +118,9 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
             assert snap["slo_attainment"]["15m"][tier]["met"] == report["by_tier"][tier]["attained"]
         text = render(snap)
         assert max(len(line) for line in text.splitlines()) <= WIDTH
-        assert re.search(r"standard\s+100\.0%\s+4/4", text) and re.search(r"interactive\s+0\.0%\s+0/3", text)
+        # The 15-minute column holds every request; the 1-minute one may not if a minute turned meanwhile.
+        assert re.search(r"standard\b.*100\.0%\s+4/4\s*$", text, re.MULTILINE), text
+        assert re.search(r"interactive\b.*\b0\.0%\s+0/3\s*$", text, re.MULTILINE), text
         assert "prefill-m" in text and "decode-m" in text and "prefill:standard" in text
         # The slowest list links each request to its timeline.
         assert dash["slowest"] and dash["slowest"][0]["timeline"].startswith("/v1/requests/")

@@ -136,3 +136,44 @@ async def test_colocated_decode_worker_preempts_its_own_long_prompts(redis_url, 
         assert decode_rt.counters["completed"] == rag_prompts + 1 and not decode_rt.local_prefills
     finally:
         await stop_fleet(client, runtimes, tasks)
+
+
+async def test_a_preempted_prompt_claimed_again_can_be_preempted_again(redis_url, key_prefix):
+    """A preempted prompt goes back on its stream and is often claimed again by the same worker
+    within milliseconds, while its old attempt is still acking. The new attempt must stay
+    visible to preemption: a second interactive request arriving while it runs preempts it
+    again (the bench showed chats waiting 1.5 s behind such a re-claimed RAG prompt)."""
+    cfg, client, runtimes, tasks = await start_slo_fleet(redis_url, key_prefix, True)
+    keys = Keys(key_prefix)
+    decode_rt = runtimes[1]
+    real_ack = decode_rt.queues.ack
+
+    async def slow_ack(claimed):  # a loaded Redis: the old attempt's ack returns after the re-claim
+        if claimed.message.request.request_id == "rag":
+            await asyncio.sleep(0.1)
+        return await real_ack(claimed)
+
+    decode_rt.queues.ack = slow_ack
+    try:
+        rag = make_request(cfg, "rag", "standard", 1500)
+        w_rag = await watch(client, keys, "rag")
+        await enqueue(client, keys, "decode", m.DecodeWork(rag), 1000)
+        await asyncio.sleep(0.3)
+        chats = []
+        for name in ("chat-a", "chat-b"):
+            chat = make_request(cfg, name, "interactive", 30)
+            chats.append((chat, await watch(client, keys, name)))
+            await enqueue(client, keys, "decode", m.DecodeWork(chat), 1000)
+            for _ in range(100):  # the RAG prompt is preempted, requeued and back in this worker's engine
+                await asyncio.sleep(0.02)
+                if decode_rt.counters["preempted"] == len(chats) and "rag" in decode_rt.local_prefills:
+                    break
+            assert decode_rt.counters["preempted"] == len(chats), f"{name} did not preempt the RAG prompt"
+            assert "rag" in decode_rt.in_flight and "rag" in decode_rt.local_prefills
+        for chat, w in chats:
+            await asyncio.wait_for(w["task"], 20)
+            assert w["first_ms"] - chat.arrival_ms <= cfg.tier("interactive").ttft_ms
+        await asyncio.wait_for(w_rag["task"], 20)
+        assert isinstance(w_rag["final"], m.Finished) and w_rag["final"].completion_tokens == 4
+    finally:
+        await stop_fleet(client, runtimes, tasks)

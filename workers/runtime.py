@@ -74,8 +74,10 @@ class WorkerRuntime:
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
-        self.preempting: set[str] = set()
-        self.handing_back: set[str] = set()
+        # The tasks (not request ids) being preempted or handed back: a preempted request can be
+        # claimed again, under the same id, before its old task has finished cleaning up.
+        self.preempting: set[asyncio.Task] = set()
+        self.handing_back: set[asyncio.Task] = set()
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
                          "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
         self.timeline, self.metrics = observe.attach(self)  # request events -> Redis timeline, log line, metrics
@@ -134,7 +136,7 @@ class WorkerRuntime:
             return
         log.warning("drain timed out; handing %d request(s) back", len(left))
         for rid, (task, _claimed) in left:
-            self.handing_back.add(rid)
+            self.handing_back.add(task)
             await self.engine.abort(rid)
             task.cancel()
         await asyncio.wait([t for _, (t, _) in left], timeout=10)
@@ -181,10 +183,10 @@ class WorkerRuntime:
         request as it is claimed: the engine gives its step budget to the prompts it
         already runs before a newcomer, whatever their priorities."""
         running = []
-        for rid, (_task, claimed) in self.in_flight.items():
+        for rid, (task, claimed) in self.in_flight.items():
             req = _request_of(claimed.message)
             # Decode workers preempt only prompts they are still computing, never a stream in progress.
-            if rid not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
+            if task not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
                 running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
                                        len(req.prompt_token_ids), req.preemptions))
         waiting = Waiting(self.tier_rank.get(tier, 99), deadline_ms, prompt_tokens)
@@ -192,9 +194,10 @@ class WorkerRuntime:
             log.info("preempting %s for a %s request due in %d ms", victim, tier, deadline_ms - now_ms())
             self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
                                for_tier=tier)
-            self.preempting.add(victim)
+            task = self.in_flight[victim][0]
+            self.preempting.add(task)
             await self.engine.abort(victim)
-            self.in_flight[victim][0].cancel()
+            task.cancel()
 
     async def _requeue_preempted(self, claimed: Claimed) -> None:
         """Put a preempted request back with its original arrival and deadline, then ack
@@ -304,6 +307,7 @@ class WorkerRuntime:
         observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
 
         async def guarded() -> None:
+            me = asyncio.current_task()
             try:
                 if await self.redis.exists(self.keys.cancelled(rid)):
                     log.info("skip %s: cancelled while queued", rid)
@@ -326,9 +330,9 @@ class WorkerRuntime:
                 self.counters["fenced"] += 1
                 log.warning("fenced: %s", exc)
             except asyncio.CancelledError:
-                if rid in self.preempting:
+                if me in self.preempting:
                     await self._requeue_preempted(claimed)
-                elif rid in self.handing_back:
+                elif me in self.handing_back:
                     await self._hand_back(claimed)
                 else:
                     self.counters["cancelled"] += 1
@@ -339,10 +343,12 @@ class WorkerRuntime:
                 self.counters["failed"] += 1
                 await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
             finally:
-                self.preempting.discard(rid)
-                self.handing_back.discard(rid)
-                self.in_flight.pop(rid, None)
-                self.local_prefills.pop(rid, None)
+                self.preempting.discard(me)
+                self.handing_back.discard(me)
+                # A requeued request may already be claimed again (same id, a new task): leave its entries.
+                if self.in_flight.get(rid, (None,))[0] is me:
+                    self.in_flight.pop(rid)
+                    self.local_prefills.pop(rid, None)
                 self.prompt_tokens_in_flight -= tokens
                 room.set()
 
