@@ -23,3 +23,14 @@ def redis_url(tmp_path_factory):
 def key_prefix() -> str:
     """A fresh key prefix per test, so tests sharing the server never see each other's keys."""
     return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran against a process fleet shows the end of the fleet's logs:
+    on a CI machine they are gone with the run, and they say why a request failed."""
+    report = yield
+    fleet = getattr(item, "funcargs", {}).get("fleet")
+    if report.when == "call" and report.failed and hasattr(fleet, "all_logs"):
+        report.sections.append(("fleet logs (tails)", fleet.all_logs()))
+    return report

@@ -104,6 +104,10 @@ class Fleet:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace")
         return f"--- {name} ---\n{text[-tail:]}"
 
+    def all_logs(self, tail: int = 3000) -> str:
+        """The end of every process log, killed processes included (shown when a test fails)."""
+        return "\n".join(self.logs(p.stem, tail) for p in sorted(self.log_dir.glob("*.log")))
+
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
         p = self.procs.pop(name)
         if p.poll() is None:
