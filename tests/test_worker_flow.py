@@ -5,6 +5,7 @@ channel, enqueue on a tier stream, read the frames.
 """
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -124,6 +125,36 @@ async def test_cancel_broadcast_aborts_a_running_decode(fleet):
         while "r-long" in decode_rt.in_flight:
             await asyncio.sleep(0.01)
     assert decode_rt.engine.stats().running == 0
+    await pubsub.aclose()
+
+
+async def test_a_cancellation_dropped_on_its_way_still_stops_the_decode(fleet):
+    """Python 3.11's asyncio.wait_for (inside redis-py's commands) drops a cancellation that lands
+    as the awaited call completes. Here the decode task swallows it in its first Redis call, as
+    wait_for would: the worker still stops the stream at its next chunk and acks the entry."""
+    cfg, client, (_prefill_rt, decode_rt) = fleet
+    keys = Keys(cfg.key_prefix)
+    real_claim, entered = decode_rt.runs.claim, asyncio.Event()
+
+    async def claim_dropping_a_cancel(*args, **kwargs):
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.5)
+        return await real_claim(*args, **kwargs)
+
+    decode_rt.runs.claim = claim_dropping_a_cancel
+    req = gen_request("r-dropped", [1, 2, 3], 100_000)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.tokens(req.request_id))  # a listener: PUBLISH alone would not stop it
+    await enqueue(client, keys, "prefill", req, 1000)
+    await asyncio.wait_for(entered.wait(), 5)
+    await client.publish(keys.cancel, m.encode(m.Cancel("r-dropped")))
+    async with asyncio.timeout(5):
+        while "r-dropped" in decode_rt.in_flight:
+            await asyncio.sleep(0.01)
+    assert decode_rt.counters["cancelled"] == 1 and decode_rt.engine.stats().running == 0
+    g = (await client.xinfo_groups(keys.stream("decode", "interactive")))[0]
+    assert g["pending"] == 0
     await pubsub.aclose()
 
 

@@ -16,6 +16,7 @@ duplicate. The earlier worker, if it is still alive, is fenced out.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from skyline import messages
@@ -67,6 +68,8 @@ class DecodeHandler:
         try:
             if ereq.sampling.max_tokens > 0:
                 async for chunk in self.rt.engine.generate(ereq, kv_handle):
+                    if self.rt.cancel_pending():  # a cancellation dropped on its way (WorkerRuntime.cancel)
+                        raise asyncio.CancelledError(f"{req.request_id} was cancelled by its worker")
                     if chunk.token_ids or chunk.text:
                         if not first_token_ms:
                             first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)

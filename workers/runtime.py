@@ -78,6 +78,7 @@ class WorkerRuntime:
         # claimed again, under the same id, before its old task has finished cleaning up.
         self.preempting: set[asyncio.Task] = set()
         self.handing_back: set[asyncio.Task] = set()
+        self.cancel_requested: set[asyncio.Task] = set()  # cancelled by this worker, not yet unwound
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
                          "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
         self.timeline, self.metrics = observe.attach(self)  # request events -> Redis timeline, log line, metrics
@@ -137,8 +138,8 @@ class WorkerRuntime:
         log.warning("drain timed out; handing %d request(s) back", len(left))
         for rid, (task, _claimed) in left:
             self.handing_back.add(task)
+            self.cancel(task)
             await self.engine.abort(rid)
-            task.cancel()
         await asyncio.wait([t for _, (t, _) in left], timeout=10)
 
     async def is_alive(self, worker_id: str) -> bool:
@@ -196,8 +197,26 @@ class WorkerRuntime:
                                for_tier=tier)
             task = self.in_flight[victim][0]
             self.preempting.add(task)
+            self.cancel(task)
             await self.engine.abort(victim)
-            task.cancel()
+
+    def cancel(self, task: asyncio.Task) -> None:
+        """Cancel a request's task (preemption, hand-back, the client's cancel).
+
+        Python 3.11's asyncio.wait_for, which redis-py awaits inside its commands,
+        drops a cancellation that lands just as the awaited call completes (fixed
+        in 3.12): the task runs on as if nothing happened (seen: a cancelled decode
+        kept streaming). So the task stays in `cancel_requested` until its
+        CancelledError reaches `_start`'s handler, and the decode loop checks
+        `cancel_pending()` at every chunk. Cancelling again instead could land in
+        the middle of the task's own clean-up (a requeue) and break it.
+        """
+        self.cancel_requested.add(task)
+        task.cancel()
+
+    def cancel_pending(self) -> bool:
+        """Was the calling request's task cancelled by this worker (the cancellation still on its way)?"""
+        return asyncio.current_task() in self.cancel_requested
 
     async def _requeue_preempted(self, claimed: Claimed) -> None:
         """Put a preempted request back with its original arrival and deadline, then ack
@@ -330,6 +349,7 @@ class WorkerRuntime:
                 self.counters["fenced"] += 1
                 log.warning("fenced: %s", exc)
             except asyncio.CancelledError:
+                self.cancel_requested.discard(me)  # delivered
                 if me in self.preempting:
                     await self._requeue_preempted(claimed)
                 elif me in self.handing_back:
@@ -345,6 +365,7 @@ class WorkerRuntime:
             finally:
                 self.preempting.discard(me)
                 self.handing_back.discard(me)
+                self.cancel_requested.discard(me)
                 # A requeued request may already be claimed again (same id, a new task): leave its entries.
                 if self.in_flight.get(rid, (None,))[0] is me:
                     self.in_flight.pop(rid)
@@ -402,8 +423,8 @@ class WorkerRuntime:
                     cancel = messages.decode(msg["data"])
                     if isinstance(cancel, messages.Cancel) and cancel.request_id in self.in_flight:
                         log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
+                        self.cancel(self.in_flight[cancel.request_id][0])
                         await self.engine.abort(cancel.request_id)
-                        self.in_flight[cancel.request_id][0].cancel()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 await asyncio.sleep(1.0)
