@@ -2,23 +2,27 @@
 
 The decision itself is `skyline.scheduler.admission.admit` (pure). Here: the
 backlog comes from the `skyline:backlog` hash, read in the same transaction
-that reserves this request's tokens (so a burst sees itself), and the
-measured prefill throughput from the heartbeats the FleetView caches.
+that reserves this request's tokens (so a burst sees itself), the measured
+prefill throughput from the heartbeats the FleetView caches, and the scale
+for the prediction from this gateway's own measured error (`TtftCalibration`,
+fed by `learn` when an admitted request ends).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from skyline import messages
 from skyline.config import SkylineConfig
 from skyline.gateway.errors import ApiError
 from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
 from skyline.keys import Keys
-from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, admit
+from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit
 from skyline.streams import release_backlog, reserve_backlog
 
 
@@ -43,14 +47,15 @@ def pool_rate(fleet: FleetView, stage: str) -> float | None:
 
 async def apply_admission(
     cfg: SkylineConfig, policy: AdmissionPolicy, r: aioredis.Redis, keys: Keys, fleet: FleetView,
-    prep: Prepared, metrics: GatewayMetrics,
+    prep: Prepared, metrics: GatewayMetrics, calibration: TtftCalibration | None = None,
 ) -> Prepared:
     """The request as it may be enqueued (possibly demoted), with its prompt reserved
     in the backlog; or an ApiError (429/503) with nothing reserved."""
     req = prep.request
     stage, tokens = stage_of(prep.route), len(req.prompt_token_ids)
     backlog = await reserve_backlog(r, keys, stage, req.tier, tokens)
-    load = FleetLoad(backlog, pool_rate(fleet, stage))
+    scale = calibration.scale((stage, req.tier)) if calibration is not None else 1.0
+    load = FleetLoad(backlog, pool_rate(fleet, stage), scale)
     d = admit(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, load, prep.allow_demotion)
     metrics.admission.labels(req.tier, d.action).inc()
     if d.action in ("reject", "overloaded"):
@@ -70,4 +75,15 @@ async def apply_admission(
         req = replace(req, tier=tier.name, ttft_ms=slo.ttft_ms, priority=tier.priority,
                       deadline_ms=req.arrival_ms + slo.ttft_ms)
         return replace(prep, request=req, slo=slo, admission="demote", predicted_ttft_ms=d.predicted_ttft_ms)
-    return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms)
+    return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms, model_ttft_ms=d.predicted_ttft_ms / scale)
+
+
+def learn(calibration: TtftCalibration, session: Any, status: int, fin: messages.Finished | None) -> None:
+    """Session.close hook: an admitted request's measured TTFT against the model's prediction
+    (a demoted request is not measured: its prediction was made for another tier)."""
+    prep = session.prep
+    if fin is None or status != 200 or prep.model_ttft_ms is None:
+        return
+    ttft_s = session.ttft_s()
+    if ttft_s is not None:
+        calibration.observe((stage_of(prep.route), prep.slo.tier), prep.model_ttft_ms, ttft_s * 1000)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -27,7 +28,7 @@ from starlette.requests import Request
 
 from skyline import messages, redisconn
 from skyline.config import SkylineConfig
-from skyline.gateway.admission import apply_admission, policy_of, stage_of
+from skyline.gateway.admission import apply_admission, learn, policy_of, stage_of
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
 from skyline.gateway.errors import ApiError, HeaderLimit, install_handlers
@@ -41,6 +42,7 @@ from skyline.gateway.responses import DONE, Shaper, error_event
 from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from skyline.gateway.session import Disconnected, Session
 from skyline.keys import Keys
+from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.disagg import route
 from skyline.scheduler.rate_limit import RateLimit
 from skyline.streams import enqueue, ensure_groups, now_ms, release_backlog
@@ -69,6 +71,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
     metrics = GatewayMetrics()
     observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record
     admission_policy = policy_of(cfg)
+    calibration = TtftCalibration() if cfg.gateway.ttft_calibration else None
     rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
     state = _State()
     started = int(time.time())
@@ -152,7 +155,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
                            headers={"Retry-After": "1"})
         if cfg.gateway.admission:
             try:
-                prep = await apply_admission(cfg, admission_policy, r, keys, fleet, prep, metrics)
+                prep = await apply_admission(cfg, admission_policy, r, keys, fleet, prep, metrics, calibration)
             except (RedisError, OSError) as exc:
                 raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
         try:
@@ -173,6 +176,8 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             raise ApiError(503, str(exc), code="relay_unavailable") from None
         session = Session(prep, sub, relay, r, keys, cfg.gateway, metrics, state.background)
         session.on_close.append(observer.closed)
+        if calibration is not None:
+            session.on_close.append(functools.partial(learn, calibration))
         if prep.route == "disagg":
             stage, msg = "prefill", prep.request
         else:

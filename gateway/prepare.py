@@ -64,6 +64,7 @@ class Prepared:
     allow_demotion: bool = False  # the client accepts a looser tier instead of a 429
     admission: str = "admit"  # admission control's decision ("admit" or "demote")
     predicted_ttft_ms: float | None = None  # admission control's prediction, reported back
+    model_ttft_ms: float | None = None  # the same before calibration: what the calibration learns from
     route_fixed: bool = False  # the client chose the route (x-skyline-route): never re-routed
 
 

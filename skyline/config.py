@@ -123,6 +123,7 @@ class GatewayConfig:
     # Admission control (scheduler/admission.py): refuse what cannot meet its TTFT target.
     admission: bool = True
     first_token_overhead_ms: float = 150.0  # KV transfer + first decode step, added to the queueing estimate
+    ttft_calibration: bool = True  # scale predictions by their own measured error (scheduler/admission.py)
     sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; other tiers always queue
     max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
 

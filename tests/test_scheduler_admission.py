@@ -1,6 +1,8 @@
 import math
 
-from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, admit, predict_ttft_ms
+import pytest
+
+from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit, predict_ttft_ms
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.tiers import DEFAULT_TIERS
@@ -97,3 +99,32 @@ def test_throughput_meter_forgets_old_work():
     m = ThroughputMeter(window_ms=1000)
     m.record(0, 100, 100)
     assert m.tokens_per_s(5000) is None
+
+
+def test_calibration_scales_predictions_by_their_measured_error():
+    cal = TtftCalibration()
+    assert cal.scale(("decode", "interactive")) == 1.0  # nothing measured: the model as is
+    for _ in range(40):  # short prompts: the pool rate (dominated by long ones) was pessimistic
+        cal.observe(("decode", "interactive"), predicted_ms=600, measured_ms=300)
+    assert cal.scale(("decode", "interactive")) == pytest.approx(0.5, rel=0.02)
+    assert cal.scale(("decode", "standard")) == 1.0  # per key
+    # The scaled prediction admits what the raw one refused: 100 + 500 tokens at 1,000 tokens/s
+    # + 100 ms = 700 ms raw against a 600 ms target; scaled by 0.5, 350 ms.
+    raw = load({"interactive": 100}, rate=1000)
+    assert admit(POLICY, DEFAULT_TIERS, "interactive", 600, 500, raw).action == "reject"
+    scaled = FleetLoad({"interactive": 100}, 1000, cal.scale(("decode", "interactive")))
+    d = admit(POLICY, DEFAULT_TIERS, "interactive", 600, 500, scaled)
+    assert d.action == "admit" and d.predicted_ttft_ms == pytest.approx(350, rel=0.02)
+
+
+def test_calibration_is_bounded_and_ignores_nonsense():
+    cal = TtftCalibration()
+    for _ in range(200):
+        cal.observe("k", predicted_ms=100, measured_ms=10_000)  # a stall: clamped to 2x per observation
+    assert cal.scale("k") == pytest.approx(2.0, rel=1e-6)
+    for bad in ((0, 100), (100, 0), (float("inf"), 100), (-5, 100)):
+        cal.observe("k", *bad)
+    assert cal.scale("k") == pytest.approx(2.0, rel=1e-6)
+    for _ in range(200):
+        cal.observe("k", predicted_ms=1000, measured_ms=1)
+    assert cal.scale("k") == pytest.approx(0.5, rel=1e-6)

@@ -16,6 +16,7 @@ from skyline.simulate.perf_profile import ProfileModel
 from skyline.simulate.request import SimRequest
 from skyline.simulate.roofline import roofline
 from skyline.simulate.workload import load_trace
+from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
@@ -72,6 +73,31 @@ def test_preemption_lets_an_interactive_prompt_overtake_long_batch_prompts():
             assert chat.ttft_s < 0.5 * rag_ttft_max
         else:
             assert sim.counters["preempted"] == 0
+
+
+def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budget():
+    """Hand-checked, as the live decode worker behaves (tests/test_slo_scheduling.py): prefill at
+    1,000 tokens/s in 256-token steps (0.256 s each). A 1,500-token batch prompt starts at 0; an
+    interactive 30-token prompt arrives at 0.3 s, in the RAG's second step (0.256-0.512 s).
+    Preempting: the RAG's chunk in that step is lost, the chat leads the next step (0.512-0.768 s),
+    TTFT 0.468 s. Without: the RAG keeps its place and the chat rides its sixth step (220 + 30
+    tokens, to 1.53 s), TTFT 1.23 s, past the interactive tier's 1 s."""
+    m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
+    cfg = with_overrides(load_config(None), admission=False)
+    for preemption, chat_ttft, preempted in ((True, 0.468, 1), (False, 1.23, 0)):
+        rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
+        chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
+        sim = Simulation(with_overrides(cfg, preemption=preemption), FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+        sim.run([rag, chat], drain_s=60)
+        assert rag.outcome == chat.outcome == "ok" and rag.route == chat.route == "colocated"
+        assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6)
+        assert sim.counters["preempted"] == preempted == rag.preemptions
+    # The prefill token budget (2,048) stops claims: of three 1,500-token prompts the worker
+    # claims two; the third stays in the stream (where another worker could take it).
+    rags = [SimRequest(i, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9) for i in range(3)]
+    sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+    sim.run(rags, drain_s=1.0)  # stop at 1 s, before the first prompt is done
+    assert len(sim.decode_workers[0].local) == 2 and sim.decode_q.size == 1
 
 
 def test_admission_control_sheds_what_cannot_meet_its_target():

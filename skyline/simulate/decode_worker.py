@@ -19,6 +19,12 @@ finishes. A request joining mid-step waits for the step in progress (found
 by solving T(n) <= now for n); every member's first and last token times
 follow from T. Steps that prefill (colocated engines) are simulated one by
 one: a mixed step computes prompt chunks and one token per running sequence.
+
+Prompts computed here hold the step budget as a prefill worker's do, so the
+live rules apply to them: claims stop at `prefill_token_budget` prompt
+tokens in the engine, and fleet-level preemption (`preempt.py`) aborts
+looser-tier ones for a request that would miss its deadline (at its claim,
+and for the stage's EDF head while the worker is full).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import itertools
 import math
 
 from skyline.scheduler.throughput import ThroughputMeter
+from skyline.simulate.preempt import victims_for
 from skyline.simulate.prefill_worker import plan_chunks
 
 
@@ -39,10 +46,10 @@ class _Member:
 
 
 class _Local:
-    __slots__ = ("claimed_at", "done", "order", "req")
+    __slots__ = ("aborted", "claimed_at", "done", "order", "req")
 
     def __init__(self, req, order: int, now: float):
-        self.req, self.done, self.order, self.claimed_at = req, 0, order, now
+        self.req, self.done, self.order, self.claimed_at, self.aborted = req, 0, order, now, False
 
 
 class DecodeWorker:
@@ -60,6 +67,7 @@ class DecodeWorker:
         self.arriving = 0  # claimed, KV on its way
         self.reserved = 0  # KV tokens of claimed requests not yet in the batch
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
+        self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
         self.joining: list = []  # KV arrived while stepping: join at the next step
         self.stepping = False
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
@@ -70,13 +78,15 @@ class DecodeWorker:
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
-        self.max_running = sim.worker_cfg.max_running
+        self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
         self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
 
     # -- room and claims ---------------------------------------------------------------
 
     def has_room(self) -> bool:
         if self.B + self.arriving + len(self.local) + len(self.joining) >= self.max_running:
+            return False
+        if self.local_tokens >= self.token_budget:
             return False
         return self.C + self.reserved < self.kv_room  # KV usage under the watermark
 
@@ -92,14 +102,36 @@ class DecodeWorker:
                 self.arriving += 1
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
             else:
+                self._preempt(req)  # live: a prompt computed here competes for the step budget
                 self._order += 1
                 self.local.append(_Local(req, self._order, now))
+                self.local_tokens += req.prompt_tokens
                 if not self.stepping:
                     self._align(now)
                     self.stepping = True
                     self.version += 1  # the scheduled completion belongs to the closed-form mode
                     self._start_mixed()
         sim.note_room(self, sim.decode_ready)
+
+    def maybe_preempt(self) -> int:
+        """Abort the local prompts that keep the stage's EDF head from its deadline."""
+        entry = self.sim.decode_q.head()
+        if entry is None:
+            return 0
+        n = self._preempt(entry[0])
+        if n:
+            self.claim_while_room()
+        return n
+
+    def _preempt(self, head) -> int:
+        victims = victims_for(self, self.local, head)
+        for h in victims:
+            h.aborted = True  # the step in progress computes its chunk for nothing
+            self.local.remove(h)
+            self.local_tokens -= h.req.prompt_tokens
+            self.reserved -= h.req.prompt_tokens
+            self.sim.decode_q.push(h.req, (h.req, None))  # back on the stream, to be prefilled again
+        return len(victims)
 
     def _kv_arrived(self, req) -> None:
         self.arriving -= 1
@@ -246,9 +278,12 @@ class DecodeWorker:
         while ends and ends[0][0] <= self.k:
             self._leave(heapq.heappop(ends)[2], now)
         for h, n in work:
+            if h.aborted:
+                continue
             h.done += n
             if h.done >= h.req.prompt_tokens:
                 self.local.remove(h)
+                self.local_tokens -= h.req.prompt_tokens
                 req = h.req
                 req.prefill_end = now
                 # Live (workers/decode.py, at the first token): meter the prompt, and take a

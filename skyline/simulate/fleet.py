@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 from skyline.config import SkylineConfig
 from skyline.gateway.admission import policy_of, pool_rate, stage_of
-from skyline.scheduler.admission import FleetLoad, admit
+from skyline.scheduler.admission import FleetLoad, TtftCalibration, admit
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
 from skyline.scheduler.tiers import resolve_slo
@@ -40,7 +40,7 @@ from skyline.simulate.queues import StageQueues
 from skyline.simulate.request import SimRequest
 
 FLEET_OVERHEAD_S = 0.004  # `skyline bench overhead`: added TTFT p50 of gateway -> Redis -> workers -> pub/sub
-PREEMPT_CHECK_S = 0.05  # a full prefill worker re-checks the tier heads at 20 Hz (workers/runtime.py)
+PREEMPT_CHECK_S = 0.05  # a full worker holding prompts re-checks the tier heads at 20 Hz (workers/runtime.py)
 FLEET_REFRESH_S = 1.0  # workers heartbeat their measured rate every second; the gateway reads them
 RATES_PER_REFRESH = 8  # meters read per refresh: bounds the cost of a 500-worker pool (documented staleness)
 
@@ -82,6 +82,7 @@ class Simulation:
         self.prefill_q = StageQueues("prefill", order)
         self.decode_q = StageQueues("decode", order)
         self.admission = policy_of(cfg) if cfg.gateway.admission else None
+        self.calibration = TtftCalibration() if cfg.gateway.admission and cfg.gateway.ttft_calibration else None
         g = cfg.gateway
         self.disagg = DisaggPolicy(fleet.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
@@ -131,8 +132,10 @@ class Simulation:
         stage = stage_of(req.route)
         q = self.prefill_q if stage == "prefill" else self.decode_q
         if self.admission is not None:
-            load = FleetLoad(q.backlog, self.seen_rate[stage])
+            scale = self.calibration.scale((stage, slo.tier)) if self.calibration is not None else 1.0
+            load = FleetLoad(q.backlog, self.seen_rate[stage], scale)
             d = admit(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, load, self.allow_demotion)
+            req.model_ttft_ms = d.predicted_ttft_ms / scale
             if d.action in ("reject", "overloaded"):
                 self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
                 req.outcome = "rejected" if d.action == "reject" else "error"
@@ -143,17 +146,15 @@ class Simulation:
                 req.tier, req.priority = tier.name, tier.priority
                 req.deadline = now + tier.ttft_ms / 1000
                 req.decision = "demote"
+                req.model_ttft_ms = 0.0  # predicted for another tier: not learnt from (gateway/admission.py)
                 self.counters["demoted"] += 1
         self.counters["admitted"] += 1
         req.rank = self.tier_rank[req.tier]
         q.reserve(req.tier, req.prompt_tokens)
         q.push(req, (req, None))
-        if stage == "prefill":
-            self._dispatch(q, self.prefill_ready)
-            if q.size and self.preemption.enabled:
-                self._arm_preemption()
-        else:
-            self._dispatch(q, self.decode_ready)
+        self._dispatch(q, self.prefill_ready if stage == "prefill" else self.decode_ready)
+        if q.size and self.preemption.enabled:
+            self._arm_preemption()
 
     def _dispatch(self, q: StageQueues, ready: deque) -> None:
         """New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order)."""
@@ -176,6 +177,8 @@ class Simulation:
     def on_done(self, req: SimRequest) -> None:
         req.finish(self.overhead_s)
         self.completed += 1
+        if self.calibration is not None and req.model_ttft_ms:  # the gateway's `learn` hook
+            self.calibration.observe((stage_of(req.route), req.tier), req.model_ttft_ms, req.ttft_s * 1000)
 
     # -- periodic fleet activity ----------------------------------------------------------------------
 
@@ -208,16 +211,18 @@ class Simulation:
             self.loop.at(self.loop.now, self._preempt_tick)
 
     def _preempt_tick(self, _arg=None) -> None:
-        """Every full prefill worker checks the EDF head (live: at 20 Hz while full)."""
+        """Every full worker holding prompts checks its stage's EDF head (live: at 20 Hz while full)."""
         self._preempt_armed = False
-        entry = self.prefill_q.head()
-        if entry is None:
-            return
-        head_rank = entry[0].rank
-        for w in self.prefill_workers:
-            if w.held and not w.has_room() and any(h.req.rank > head_rank for h in w.held):
-                w.maybe_preempt()
-        if self.prefill_q.size:
+        for q, pool in ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)):
+            entry = q.head()
+            if entry is None:
+                continue
+            head_rank = entry[0].rank
+            for w in pool:
+                held = w.held if pool is self.prefill_workers else w.local
+                if held and not w.has_room() and any(h.req.rank > head_rank for h in held):
+                    w.maybe_preempt()
+        if self.prefill_q.size or self.decode_q.size:
             self._preempt_armed = True
             self.loop.after(PREEMPT_CHECK_S, self._preempt_tick)
 

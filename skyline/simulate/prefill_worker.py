@@ -9,15 +9,14 @@ waiting prompts by priority, then claim order. A finished prompt is timed
 into the worker's `ThroughputMeter` (the live meter class), acked (its
 tokens leave the backlog) and handed to the decode stage.
 
-Fleet-level preemption calls `scheduler.preemption.choose_victims` with
-what the live worker passes: every prompt it holds (full prompt length as
-the remaining work), the waiting EDF head, its measured tokens/s.
+Fleet-level preemption (`preempt.py`), as the live worker: for each request
+it claims, and for the EDF head while it is full.
 """
 
 from __future__ import annotations
 
-from skyline.scheduler.preemption import Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
+from skyline.simulate.preempt import victims_for
 
 
 class _Held:
@@ -53,6 +52,7 @@ class PrefillWorker:
         while q.size and limit > 0 and self.has_room():
             limit -= 1
             req, _ = q.claim()
+            self._preempt(req)  # live: every claimed prompt competes for the step budget
             self._order += 1
             self.held.append(_Held(req, self._order, self.sim.loop.now))
             self.tokens_held += req.prompt_tokens
@@ -110,38 +110,25 @@ class PrefillWorker:
 
     # -- fleet-level preemption ---------------------------------------------------------------
 
-    def tokens_per_s(self) -> float:
-        now = self.sim.loop.now
-        at, rate = self.rate_cache
-        if now - at >= self.sim.worker_cfg.heartbeat_s:
-            rate = self.meter.tokens_per_s(int(now * 1000)) or 0.0
-            self.rate_cache = (now, rate)
-        return rate or self.sim.worker_cfg.prior_prefill_tokens_per_s
-
     def maybe_preempt(self) -> int:
         """Abort what keeps the EDF head from its deadline; returns how many were preempted."""
-        sim = self.sim
-        entry = sim.prefill_q.head()
-        if entry is None or not self.held:
+        entry = self.sim.prefill_q.head()
+        if entry is None:
             return 0
-        head = entry[0]
-        running = [Running(str(h.order), h.req.rank, int(h.req.deadline * 1000), h.req.prompt_tokens,
-                           h.req.preemptions) for h in self.held]
-        waiting = Waiting(head.rank, int(head.deadline * 1000), head.prompt_tokens)
-        victims = choose_victims(sim.preemption, running, waiting, int(sim.loop.now * 1000), self.tokens_per_s())
-        if not victims:
-            return 0
-        chosen = set(victims)
-        for h in [h for h in self.held if str(h.order) in chosen]:
+        n = self._preempt(entry[0])
+        if n:
+            self.claim_while_room()
+        return n
+
+    def _preempt(self, head) -> int:
+        victims = victims_for(self, self.held, head)
+        for h in victims:
             h.aborted = True
             self.held.remove(h)
             self.tokens_held -= h.req.prompt_tokens
-            h.req.preemptions += 1
-            sim.counters["preempted"] += 1
             # Re-queued with its original arrival and deadline; enqueue adds its tokens to the
             # backlog and the ack of the old entry removes them: no net change.
-            sim.prefill_q.push(h.req, (h.req, None))
-        self.claim_while_room()
+            self.sim.prefill_q.push(h.req, (h.req, None))
         return len(victims)
 
 
