@@ -78,6 +78,10 @@ class WorkerConfig:
     # backlog waits in Redis in deadline order instead of inside one engine.
     prefill_token_budget: int = 2048
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
+    # decode: claim new work only while the streams' recent time per token is under this fraction
+    # of the tightest TPOT target among them (scheduler/decode_room.py); 0 = no such limit
+    tpot_headroom: float = 0.9
+    tpot_window_s: float = 10.0  # ... measured over this window (scheduler/decode_room.py says why so long)
     preemption: bool = True  # prefill: abort a looser-tier prompt when a stricter one would be late
     max_preemptions: int = 2  # per request: bounds starvation of the batch tier
     prior_prefill_tokens_per_s: float = 1000.0  # throughput assumed until one is measured

@@ -3,6 +3,7 @@ import math
 import pytest
 
 from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit, predict_ttft_ms
+from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.tiers import DEFAULT_TIERS
@@ -128,3 +129,21 @@ def test_calibration_is_bounded_and_ignores_nonsense():
     for _ in range(200):
         cal.observe("k", predicted_ms=1000, measured_ms=1)
     assert cal.scale("k") == pytest.approx(0.5, rel=1e-6)
+
+
+def test_token_pace_meter_is_a_token_weighted_mean_over_its_window():
+    m = TokenPaceMeter(window_s=10.0)
+    assert m.seconds_per_token(0.0) is None
+    m.record(10.0, 0.05, 1)  # 50 ms for one token
+    m.record(15.0, 0.30, 2)  # a chunk of two tokens 300 ms after the previous: 150 ms each
+    assert m.seconds_per_token(16.0) == pytest.approx((0.05 + 2 * 0.15) / 3)
+    assert m.seconds_per_token(20.5) == pytest.approx(0.15)  # the first gap left the window
+    assert m.seconds_per_token(25.5) is None  # nothing streamed for 10 s: no evidence either way
+
+
+def test_tpot_room_boundary():
+    assert tpot_room(0.159, 199, 0.8, held=5)  # 159 ms < 0.8 x 199 = 159.2 ms
+    assert not tpot_room(0.160, 199, 0.8, held=5)
+    assert tpot_room(None, 199, 0.8, held=5) and tpot_room(0.5, None, 0.8, held=5)  # nothing measured / running
+    assert tpot_room(10.0, 199, 0.0, held=5)  # disabled
+    assert tpot_room(10.0, 199, 0.8, held=1)  # a lone stream: refusing company would not speed it up

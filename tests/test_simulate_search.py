@@ -16,6 +16,7 @@ from skyline.simulate.systems import SimSystem
 from tests.simmodels import HandModel
 
 # Prefill 400 tokens/s in 100-token steps; every decode step 100 ms whatever the batch; no transfer.
+# The hand calculations assume workers claim up to max_running (no decode pace rule: tpot_headroom=0).
 FIXED_RATE = HandModel("fixed-rate", prefill_tokens_per_s=400, max_step_tokens=100)
 
 
@@ -28,7 +29,8 @@ def test_search_finds_the_split_a_hand_calculation_gives():
     """A prefill worker serves 4 req/s (0.25 s each); a decode worker holding 4 sequences for 10 steps of
     0.1 s serves 4 req/s. At 10 req/s a fleet needs 3 of each: every 5-GPU split leaves one pool short
     (its queue grows by 2 req/s, so TTFT passes 1 s within seconds), and 2P+4D / 4P+2D fail the same way."""
-    cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0)
+    cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0,
+                         tpot_headroom=0.0)
     m = FIXED_RATE
     system = SimSystem("sim-disagg", FleetSpec("disagg", 1, 1), m, m)
     tried: list = []
@@ -40,7 +42,8 @@ def test_search_finds_the_split_a_hand_calculation_gives():
 
 
 def test_colocated_search_returns_the_smallest_fleet_that_meets_the_goal():
-    cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0)
+    cfg = with_overrides(load_config(None), admission=False, preemption=False, max_running=4, min_remote_prefill_tokens=0,
+                         tpot_headroom=0.0)
     m = FIXED_RATE
     system = SimSystem("sim-colocated", FleetSpec("colocated", 0, 1), m, m)
     reqs_of = _even_arrivals(200)

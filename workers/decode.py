@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from skyline import messages
 from skyline.runs import FENCED, RunClaim
@@ -63,6 +64,7 @@ class DecodeHandler:
         ereq, kv_handle, why_local = await self._plan(work, run)
         started = now_ms()
         first_token_ms = 0
+        last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
         finish_reason = "length" if ereq.sampling.max_tokens <= 0 else "abort"
         kv_transfer: dict = {}
         try:
@@ -71,6 +73,10 @@ class DecodeHandler:
                     if self.rt.cancel_pending():  # a cancellation dropped on its way (WorkerRuntime.cancel)
                         raise asyncio.CancelledError(f"{req.request_id} was cancelled by its worker")
                     if chunk.token_ids or chunk.text:
+                        t = time.monotonic()
+                        if last_chunk_s is not None:
+                            self.rt.pace.record(t, t - last_chunk_s, len(chunk.token_ids))
+                        last_chunk_s = t
                         if not first_token_ms:
                             first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
                             self.rt.local_prefill_done(req.request_id)

@@ -36,6 +36,7 @@ from skyline.fleet import WorkerInfo, deregister, heartbeat
 from skyline.keys import Keys
 from skyline.reaper import forget_departed, reclaim
 from skyline.runs import Runs
+from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
@@ -72,6 +73,7 @@ class WorkerRuntime:
         # so the same budget and the same preemption apply to them.
         self.local_prefills: dict[str, int] = {}
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
+        self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
         # The tasks (not request ids) being preempted or handed back: a preempted request can be
@@ -158,7 +160,11 @@ class WorkerRuntime:
             return self.prompt_tokens_in_flight < self.cfg.worker.prefill_token_budget
         if sum(self.local_prefills.values()) >= self.cfg.worker.prefill_token_budget:
             return False
-        return self.engine.stats().kv_usage < self.cfg.worker.kv_watermark
+        if self.engine.stats().kv_usage >= self.cfg.worker.kv_watermark:
+            return False
+        tightest = min((_request_of(c.message).tpot_ms for _t, c in self.in_flight.values()), default=None)
+        return tpot_room(self.pace.seconds_per_token(time.monotonic()), tightest, self.cfg.worker.tpot_headroom,
+                         len(self.in_flight))
 
     def local_prefill_done(self, request_id: str) -> None:
         """Decode: a prompt computed here produced its first token; it no longer holds the step budget."""

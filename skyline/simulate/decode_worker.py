@@ -33,6 +33,7 @@ import heapq
 import itertools
 import math
 
+from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import victims_for
 from skyline.simulate.prefill_worker import plan_chunks
@@ -79,6 +80,11 @@ class DecodeWorker:
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
         self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
+        # The claim rule's pace check: TPOT targets of the requests held (target -> count), and the
+        # live meter, fed the simulated steps (live: each stream's gaps between tokens).
+        self.tpot_held: dict[int, int] = {}
+        self.headroom = sim.worker_cfg.tpot_headroom
+        self.pace = TokenPaceMeter(sim.worker_cfg.tpot_window_s)
         self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
 
     # -- room and claims ---------------------------------------------------------------
@@ -88,7 +94,12 @@ class DecodeWorker:
             return False
         if self.local_tokens >= self.token_budget:
             return False
-        return self.C + self.reserved < self.kv_room  # KV usage under the watermark
+        if self.C + self.reserved >= self.kv_room:  # KV usage at the watermark
+            return False
+        if self.headroom > 0 and self.tpot_held:
+            per_token = self.pace.seconds_per_token(self.sim.loop.now)
+            return tpot_room(per_token, min(self.tpot_held), self.headroom, sum(self.tpot_held.values()))
+        return True
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
@@ -98,6 +109,7 @@ class DecodeWorker:
             limit -= 1
             req, prefill_end = q.claim()
             self.reserved += req.prompt_tokens
+            self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
             if prefill_end is not None and now - prefill_end <= 0.8 * sim.kv_lease_s:
                 self.arriving += 1
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
@@ -130,6 +142,7 @@ class DecodeWorker:
             self.local.remove(h)
             self.local_tokens -= h.req.prompt_tokens
             self.reserved -= h.req.prompt_tokens
+            self._release_tpot(h.req)
             self.sim.decode_q.push(h.req, (h.req, None))  # back on the stream, to be prefilled again
         return len(victims)
 
@@ -184,6 +197,8 @@ class DecodeWorker:
         if self.segments is not None:
             self.segments.append((self.k, self.t, self.C, self.B, self.a, self.b))
         t_new = self._T(n)
+        if self.headroom > 0:  # n steps of B streams: B tokens per step
+            self.pace.record(t_new, (t_new - self.t) * self.B, n * self.B)
         self.k += n
         self.C += self.B * n
         self.t = t_new
@@ -192,6 +207,13 @@ class DecodeWorker:
             _end, _s, m = heapq.heappop(ends)
             self._leave(m, t_new)
 
+    def _release_tpot(self, req) -> None:
+        n = self.tpot_held[req.tpot_ms] - 1
+        if n:
+            self.tpot_held[req.tpot_ms] = n
+        else:
+            del self.tpot_held[req.tpot_ms]
+
     def _leave(self, m: _Member, t_done: float) -> None:
         req = m.req
         self.B -= 1
@@ -199,6 +221,7 @@ class DecodeWorker:
         req.done_t = t_done
         if self.segments is not None:
             req.itl_s = self._itls(m.first_step, m.end_step)
+        self._release_tpot(req)
         self.sim.on_done(req)
 
     def _join(self, req, produced: int = 0) -> None:
@@ -208,6 +231,7 @@ class DecodeWorker:
         end_step = first_step + req.max_tokens - 1
         if end_step <= self.k:  # a one-token request finished with its prefill
             req.done_t = req.first_t
+            self._release_tpot(req)
             self.sim.on_done(req)
             return
         m = _Member(req, first_step, end_step)
@@ -271,6 +295,8 @@ class DecodeWorker:
         for m in self.pending_first:
             m.req.first_t = now
         self.pending_first.clear()
+        if self.headroom > 0 and self.B:
+            self.pace.record(now, (now - self.t) * self.B, self.B)
         self.k += 1
         self.C += self.B
         self.t = now

@@ -14,7 +14,8 @@ the A100 preset with OPT-13B's shape:
   disaggregated  1 prefill worker (TP=2) + 1 decode worker (TP=1), KV over NVLink.
 
 Both run without admission control (nothing is shed: the paper's systems
-queue everything) and with up to 256 running sequences per engine.
+queue everything), without the decode workers' TPOT pace rule (neither
+system has one) and with up to 256 running sequences per engine.
 Goodput per fleet is `skyline.bench.metrics.goodput` over a rate sweep.
 """
 
@@ -35,7 +36,9 @@ PAPER_CHATBOT_GAIN = (2.0, 4.6)
 
 def _fleet_goodput(fleet: FleetSpec, perf_prefill, perf_decode, rates: list[float], requests: int,
                    seed: int, sharegpt: dict | None) -> tuple[dict, list[tuple[float, float]]]:
-    cfg = with_overrides(load_config(None), admission=False, max_running=256, min_remote_prefill_tokens=0)  # the paper disaggregates every prompt
+    # The paper disaggregates every prompt.
+    cfg = with_overrides(load_config(None), admission=False, max_running=256, min_remote_prefill_tokens=0,
+                         tpot_headroom=0.0)
     spec = WorkloadSpec(mix=1.0, chat_tier="interactive", seed=seed)
     points = []
     for rate in rates:

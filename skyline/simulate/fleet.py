@@ -126,7 +126,7 @@ class Simulation:
     def arrive(self, req: SimRequest) -> None:
         now = self.loop.now
         slo = self._slo(req)
-        req.tier, req.priority = slo.tier, slo.priority
+        req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
         req.route = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
         stage = stage_of(req.route)
@@ -247,7 +247,8 @@ class Simulation:
 
 
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
-                   max_running: int | None = None, min_remote_prefill_tokens: int | None = None) -> SkylineConfig:
+                   max_running: int | None = None, min_remote_prefill_tokens: int | None = None,
+                   tpot_headroom: float | None = None) -> SkylineConfig:
     """The config the simulated fleet runs with, after command-line overrides."""
     if admission is not None:
         cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
@@ -258,4 +259,6 @@ def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption
         worker = replace(worker, preemption=preemption)
     if max_running is not None:
         worker = replace(worker, max_running=max_running)
+    if tpot_headroom is not None:
+        worker = replace(worker, tpot_headroom=tpot_headroom)
     return replace(cfg, worker=worker)

@@ -54,6 +54,9 @@ def add_simulate_parser(sub) -> None:
     fleet.add_argument("--min-remote-prefill-tokens", type=int,
                        help="disagg: prompts shorter than this are prefilled on the decode worker (default: the config's)")
     fleet.add_argument("--max-running", type=int, help="requests a worker holds at once")
+    fleet.add_argument("--tpot-headroom", type=float,
+                       help="decode workers claim only while their streams' time per token is under this fraction "
+                            "of the tightest TPOT target (default: the config's; 0 = no such rule)")
     fleet.add_argument("--step-tokens", type=int, help="tokens per engine step (chunked prefill); default: the "
                                                        "profile's, or 8192 on GPUs")
 

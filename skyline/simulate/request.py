@@ -16,7 +16,7 @@ class SimRequest:
         # what was sent (as a BenchRequest)
         "index", "cls", "send_at", "prompt_tokens", "max_tokens", "ttft_target_ms", "tpot_target_ms",
         # Skyline's view: tier after SLO resolution (and demotion), deadline, route
-        "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms",
+        "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms", "tpot_ms",
         # timeline (virtual seconds)
         "prefill_start", "prefill_end", "first_t", "done_t", "itl_s",
         # verdict, named as in BenchRecord
@@ -31,6 +31,7 @@ class SimRequest:
         self.ttft_target_ms, self.tpot_target_ms = ttft_target_ms, tpot_target_ms
         self.tier, self.rank, self.priority, self.deadline = tier, 0, 0, 0.0
         self.route, self.preemptions, self.decision, self.model_ttft_ms = "", 0, "", 0.0
+        self.tpot_ms = 0  # the resolved SLO's TPOT target (what the live request carries)
         self.prefill_start = self.prefill_end = self.first_t = self.done_t = 0.0
         self.itl_s: list[float] | tuple = ()  # gaps between tokens, filled only when the run records them
         self.outcome, self.output_tokens, self.attained = "cancelled", 0, False

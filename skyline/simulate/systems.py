@@ -72,7 +72,8 @@ def role_slowdowns(text: str | None) -> dict[str, float | None]:
 
 def fleet_config(args: argparse.Namespace) -> SkylineConfig:
     cfg = load_config(args.config)
-    cfg = with_overrides(cfg, args.admission, args.preemption, args.max_running, args.min_remote_prefill_tokens)
+    cfg = with_overrides(cfg, args.admission, args.preemption, args.max_running, args.min_remote_prefill_tokens,
+                         args.tpot_headroom)
     return cfg
 
 

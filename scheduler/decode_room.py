@@ -1,0 +1,67 @@
+"""Decode room by TPOT: claim new work only while the streams already running keep their pace.
+
+Every sequence a decode engine takes on makes each of its steps longer, and
+a prompt it computes itself (colocated route) puts prefill chunks into the
+steps of every stream it runs. The KV watermark bounds memory, not time: on
+the CPU engines a worker at 2.5 requests/s held ~20 streams at ~360 ms per
+token against a 199 ms target, and nearly every answer missed its SLO. So a
+decode worker also stops claiming while the recent time per token of its
+streams is above `headroom` x the tightest TPOT target among them. The
+backlog then waits in Redis, where admission control sees it and sheds
+(429) what cannot be served in time, and any other decode worker can take it.
+
+"Recent" is a 10 s window on purpose: TPOT targets bound an answer's mean
+time per token, which a prompt prefilled alongside raises only while its
+chunks run (a 1,700-token RAG prompt: ~7 steps of ~300 ms on the CPU
+engines); a short window would stop claims at every long prompt and leave
+the chats behind it waiting in the stream. Sustained overload (a batch too
+large for the targets) shows in a 10 s mean; a burst of chunks does not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenPaceMeter:
+    """Seconds per output token over the streams of one worker, in a sliding time window."""
+
+    window_s: float = 10.0
+    _gaps: deque = field(default_factory=deque)  # (at_s, seconds, tokens)
+    _seconds: float = 0.0  # running sums over _gaps: asked on every claim, so O(1)
+    _tokens: int = 0
+
+    def record(self, at_s: float, gap_s: float, tokens: int) -> None:
+        """A chunk of `tokens` tokens arrived `gap_s` after the same stream's previous one."""
+        if tokens > 0 and gap_s >= 0:
+            self._gaps.append((at_s, gap_s, tokens))
+            self._seconds += gap_s
+            self._tokens += tokens
+        self._expire(at_s)
+
+    def seconds_per_token(self, now_s: float) -> float | None:
+        """Token-weighted mean over the window; None when no stream produced tokens in it."""
+        self._expire(now_s)
+        return self._seconds / self._tokens if self._tokens else None
+
+    def _expire(self, now_s: float) -> None:
+        gaps = self._gaps
+        while gaps and gaps[0][0] < now_s - self.window_s:
+            _at, g, n = gaps.popleft()
+            self._seconds -= g
+            self._tokens -= n
+        if not gaps:
+            self._seconds, self._tokens = 0.0, 0  # no float drift carried across idle periods
+
+
+def tpot_room(seconds_per_token: float | None, tightest_tpot_ms: float | None, headroom: float, held: int) -> bool:
+    """May a worker holding `held` requests whose streams run at `seconds_per_token` claim more?
+
+    `headroom` <= 0 disables the check. A worker holding fewer than two requests always may:
+    a lone stream slower than its target is the engine's speed, not company it could refuse,
+    and refusing would only serialise the requests behind it."""
+    if headroom <= 0 or held < 2 or seconds_per_token is None or tightest_tpot_ms is None:
+        return True
+    return seconds_per_token * 1000.0 < headroom * tightest_tpot_ms
