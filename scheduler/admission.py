@@ -114,13 +114,15 @@ class TtftCalibration:
     lo: float = 0.5
     hi: float = 2.0
     _log_scale: dict[Hashable, float] = field(default_factory=dict)
+    _scale: dict[Hashable, float] = field(default_factory=dict)  # exp of the above, read per request
 
     def observe(self, key: Hashable, predicted_ms: float, measured_ms: float) -> None:
         if predicted_ms <= 0 or measured_ms <= 0 or not math.isfinite(predicted_ms):
             return
         ratio = min(max(measured_ms / predicted_ms, self.lo), self.hi)
         old = self._log_scale.get(key, 0.0)
-        self._log_scale[key] = old + self.weight * (math.log(ratio) - old)
+        self._log_scale[key] = new = old + self.weight * (math.log(ratio) - old)
+        self._scale[key] = math.exp(new)
 
     def scale(self, key: Hashable) -> float:
-        return math.exp(self._log_scale.get(key, 0.0))
+        return self._scale.get(key, 1.0)

@@ -39,7 +39,8 @@ class TokenPaceMeter:
             self._gaps.append((at_s, gap_s, tokens))
             self._seconds += gap_s
             self._tokens += tokens
-        self._expire(at_s)
+            if len(self._gaps) > 256:  # reads expire the window; this bounds a meter nobody reads
+                self._expire(at_s)
 
     def seconds_per_token(self, now_s: float) -> float | None:
         """Token-weighted mean over the window; None when no stream produced tokens in it."""

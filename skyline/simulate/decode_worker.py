@@ -32,8 +32,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 
-from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
+from skyline.scheduler.decode_room import tpot_room
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import victims_for
 from skyline.simulate.prefill_worker import plan_chunks
@@ -80,26 +81,43 @@ class DecodeWorker:
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
         self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
-        # The claim rule's pace check: TPOT targets of the requests held (target -> count), and the
-        # live meter, fed the simulated steps (live: each stream's gaps between tokens).
+        # The claim rule's pace check (scheduler/decode_room.py): TPOT targets of the requests held
+        # (target -> count), and the streams' time per token over the window. Live, a meter takes
+        # every stream's gaps between tokens; here the steps add to two running sums (stream-seconds,
+        # tokens), snapshotted when the rule is read, and the window's pace is the difference.
+        self.headroom, self.window_s = sim.worker_cfg.tpot_headroom, sim.worker_cfg.tpot_window_s
         self.tpot_held: dict[int, int] = {}
-        self.headroom = sim.worker_cfg.tpot_headroom
-        self.pace = TokenPaceMeter(sim.worker_cfg.tpot_window_s)
+        self.stream_s = 0.0
+        self.tokens_out = 0
+        self.snapshots: deque = deque()  # (at, stream_s, tokens_out)
+        self.pace_ok, self.pace_at = True, -1.0  # the verdict for a worker holding 2 or more, and when read
         self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
 
     # -- room and claims ---------------------------------------------------------------
 
     def has_room(self) -> bool:
-        if self.B + self.arriving + len(self.local) + len(self.joining) >= self.max_running:
+        held = self.B + self.arriving + len(self.local) + len(self.joining)
+        if held >= self.max_running:
             return False
         if self.local_tokens >= self.token_budget:
             return False
         if self.C + self.reserved >= self.kv_room:  # KV usage at the watermark
             return False
-        if self.headroom > 0 and self.tpot_held:
-            per_token = self.pace.seconds_per_token(self.sim.loop.now)
-            return tpot_room(per_token, min(self.tpot_held), self.headroom, sum(self.tpot_held.values()))
-        return True
+        return self.pace_ok or held < 2  # (tpot_room's own guard, kept here: the verdict is cached)
+
+    def _read_pace(self) -> None:
+        """The pace rule's verdict, re-read at the worker's step and batch events at most every
+        0.2 simulated seconds (callers check; has_room uses it meanwhile): a claim needs no more
+        precision on a 10 s window, and a big fleet asks millions of times."""
+        now = self.pace_at = self.sim.loop.now
+        snaps = self.snapshots
+        snaps.append((now, self.stream_s, self.tokens_out))
+        while len(snaps) > 1 and snaps[1][0] <= now - self.window_s:
+            snaps.popleft()  # keep the newest snapshot at or before the window's start
+        _at, s0, n0 = snaps[0]
+        tokens = self.tokens_out - n0
+        per_token = (self.stream_s - s0) / tokens if tokens else None
+        self.pace_ok = not self.tpot_held or tpot_room(per_token, min(self.tpot_held), self.headroom, 2)
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
@@ -109,7 +127,8 @@ class DecodeWorker:
             limit -= 1
             req, prefill_end = q.claim()
             self.reserved += req.prompt_tokens
-            self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
+            if self.headroom > 0:
+                self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
             if prefill_end is not None and now - prefill_end <= 0.8 * sim.kv_lease_s:
                 self.arriving += 1
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
@@ -197,8 +216,8 @@ class DecodeWorker:
         if self.segments is not None:
             self.segments.append((self.k, self.t, self.C, self.B, self.a, self.b))
         t_new = self._T(n)
-        if self.headroom > 0:  # n steps of B streams: B tokens per step
-            self.pace.record(t_new, (t_new - self.t) * self.B, n * self.B)
+        self.stream_s += (t_new - self.t) * self.B  # n steps of B streams: B tokens per step
+        self.tokens_out += n * self.B
         self.k += n
         self.C += self.B * n
         self.t = t_new
@@ -208,6 +227,8 @@ class DecodeWorker:
             self._leave(m, t_new)
 
     def _release_tpot(self, req) -> None:
+        if self.headroom <= 0:
+            return
         n = self.tpot_held[req.tpot_ms] - 1
         if n:
             self.tpot_held[req.tpot_ms] = n
@@ -254,6 +275,8 @@ class DecodeWorker:
         self.claim_while_room()
 
     def _reschedule(self) -> None:
+        if self.headroom > 0 and self.sim.loop.now - self.pace_at >= 0.2:
+            self._read_pace()
         self.version += 1
         if self.B == 0:
             return
@@ -295,8 +318,8 @@ class DecodeWorker:
         for m in self.pending_first:
             m.req.first_t = now
         self.pending_first.clear()
-        if self.headroom > 0 and self.B:
-            self.pace.record(now, (now - self.t) * self.B, self.B)
+        self.stream_s += (now - self.t) * self.B
+        self.tokens_out += self.B
         self.k += 1
         self.C += self.B
         self.t = now
@@ -319,6 +342,8 @@ class DecodeWorker:
                     self.sim.decode_q.release(req.tier, req.prompt_tokens)
                 req.first_t = now  # the step that finishes a prompt samples its first token
                 self._join(req, produced=1)
+        if self.headroom > 0 and now - self.pace_at >= 0.2:
+            self._read_pace()
         self.claim_while_room()
         if self.local or self.joining:
             self._start_mixed()

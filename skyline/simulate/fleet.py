@@ -105,6 +105,7 @@ class Simulation:
                                               for _ in self.prefill_workers]
                                      + [SimpleNamespace(role="decode", tokens_per_s=0.0) for _ in self.decode_workers])
         self._preempt_armed = False
+        self.ranks_seen: set[int] = set()  # tiers admitted so far (one alone: no preemption possible)
         self._slo_cache: dict = {}
         self.counters = {"admitted": 0, "rejected": 0, "overloaded": 0, "demoted": 0, "preempted": 0,
                          "completed": 0, "handle_expired": 0}
@@ -150,6 +151,7 @@ class Simulation:
                 self.counters["demoted"] += 1
         self.counters["admitted"] += 1
         req.rank = self.tier_rank[req.tier]
+        self.ranks_seen.add(req.rank)
         q.reserve(req.tier, req.prompt_tokens)
         q.push(req, (req, None))
         self._dispatch(q, self.prefill_ready if stage == "prefill" else self.decode_ready)

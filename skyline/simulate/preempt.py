@@ -29,8 +29,8 @@ def victims_for(worker, held: list, head) -> list:
     """The handles in `held` (each with `.req` and a unique `.order`) to abort so that request
     `head` can meet its deadline; each victim's request is counted as preempted once more."""
     sim = worker.sim
-    if not held or not sim.preemption.enabled:
-        return []
+    if not held or not sim.preemption.enabled or len(sim.ranks_seen) < 2:
+        return []  # (one tier in the whole workload: nothing can ever be preempted)
     rank, cap = head.rank, sim.preemption.max_preemptions
     if not any(h.req.rank > rank and h.req.preemptions < cap for h in held):
         return []  # nothing it may preempt (the hot path: a fleet serving one tier)
