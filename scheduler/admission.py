@@ -103,16 +103,20 @@ class TtftCalibration:
     For each key (the gateway uses (stage, tier): prompts of one tier tend to be
     alike, and the routes differ by a KV transfer), the scale is an exponentially
     weighted geometric mean of measured / predicted TTFT over admitted requests,
-    clamped to [lo, hi] so that a few outliers cannot make admission control
-    admit everything or nothing. Only admitted requests are measured; the loop
-    still converges from both sides: too pessimistic a scale admits more
-    requests whose measured TTFT pulls it up, too optimistic a scale is
-    corrected by the late answers themselves.
+    clamped to [lo, hi]. Only admitted requests are measured; too pessimistic a
+    scale admits more requests, whose measured TTFT pulls it back up.
+
+    `hi` is 1 on purpose: the calibration may only take pessimism out of the
+    model, never add refusals to it. Measured TTFTs far above the predictions
+    come from causes the next request does not share as often as not (a cold
+    engine's first requests, a host stall): scaled up by them, the model
+    refused six 5-token prompts against a 5 s target in the real-engine tests.
+    An optimistic model shows in the prediction-error histogram instead.
     """
 
     weight: float = 0.1  # of each new measurement: ~10 requests to move most of the way
     lo: float = 0.5
-    hi: float = 2.0
+    hi: float = 1.0
     _log_scale: dict[Hashable, float] = field(default_factory=dict)
     _scale: dict[Hashable, float] = field(default_factory=dict)  # exp of the above, read per request
 
