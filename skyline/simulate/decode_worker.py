@@ -133,7 +133,7 @@ class DecodeWorker:
                 self.arriving += 1
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
             else:
-                self._preempt(req)  # live: a prompt computed here competes for the step budget
+                self.preempt(req)  # live: a prompt computed here competes for the step budget
                 self._order += 1
                 self.local.append(_Local(req, self._order, now))
                 self.local_tokens += req.prompt_tokens
@@ -144,17 +144,8 @@ class DecodeWorker:
                     self._start_mixed()
         sim.note_room(self, sim.decode_ready)
 
-    def maybe_preempt(self) -> int:
-        """Abort the local prompts that keep the stage's EDF head from its deadline."""
-        entry = self.sim.decode_q.head()
-        if entry is None:
-            return 0
-        n = self._preempt(entry[0])
-        if n:
-            self.claim_while_room()
-        return n
-
-    def _preempt(self, head) -> int:
+    def preempt(self, head) -> int:
+        """Abort the prompts that keep request `head` from its deadline (requeued); how many."""
         victims = victims_for(self, self.local, head)
         for h in victims:
             h.aborted = True  # the step in progress computes its chunk for nothing

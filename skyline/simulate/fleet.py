@@ -223,7 +223,9 @@ class Simulation:
             for w in pool:
                 held = w.held if pool is self.prefill_workers else w.local
                 if held and not w.has_room() and any(h.req.rank > head_rank for h in held):
-                    w.maybe_preempt()
+                    head = q.head()  # an earlier worker's preemption may have changed it
+                    if head is not None and w.preempt(head[0]):
+                        w.claim_while_room()
         if self.prefill_q.size or self.decode_q.size:
             self._preempt_armed = True
             self.loop.after(PREEMPT_CHECK_S, self._preempt_tick)

@@ -52,7 +52,7 @@ class PrefillWorker:
         while q.size and limit > 0 and self.has_room():
             limit -= 1
             req, _ = q.claim()
-            self._preempt(req)  # live: every claimed prompt competes for the step budget
+            self.preempt(req)  # live: every claimed prompt competes for the step budget
             self._order += 1
             self.held.append(_Held(req, self._order, self.sim.loop.now))
             self.tokens_held += req.prompt_tokens
@@ -110,17 +110,8 @@ class PrefillWorker:
 
     # -- fleet-level preemption ---------------------------------------------------------------
 
-    def maybe_preempt(self) -> int:
-        """Abort what keeps the EDF head from its deadline; returns how many were preempted."""
-        entry = self.sim.prefill_q.head()
-        if entry is None:
-            return 0
-        n = self._preempt(entry[0])
-        if n:
-            self.claim_while_room()
-        return n
-
-    def _preempt(self, head) -> int:
+    def preempt(self, head) -> int:
+        """Abort the prompts that keep request `head` from its deadline (requeued); how many."""
         victims = victims_for(self, self.held, head)
         for h in victims:
             h.aborted = True
