@@ -37,6 +37,41 @@ class Waiting:
 class PreemptionPolicy:
     enabled: bool = True
     max_preemptions: int = 2
+    # The engine's step shape (vLLM max_num_batched_tokens and long_prefill_token_threshold);
+    # 0 = unknown: every running prompt then delays the head by all of its remaining work.
+    step_tokens: int = 0
+    prefill_cap: int = 0
+
+
+def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, cap: int = 0) -> int:
+    """Prompt tokens the engine computes until a waiting prompt of `head_tokens` is done,
+    behind running prompts with `ahead` tokens left, stepping as vLLM does: each step
+    gives its `step_tokens` budget to the running prompts first, in order, then to the
+    newcomer, each taking at most `cap` tokens while more than one is left (vLLM lifts the
+    cap for a request alone). Without a cap that is all of `ahead` plus the head; with
+    one the head shares the steps (e.g. 128 + 128 of a 256-token step) after the step in
+    progress, which the running prompts fill (counted as a whole one: measured on the CPU
+    engines, that wait plus two shared steps is what made chats late).
+    """
+    total = sum(ahead) + head_tokens
+    if cap <= 0 or step_tokens <= 0 or not ahead:
+        return total
+    left, computed = [n for n in ahead if n > 0], min(step_tokens, sum(ahead))
+    for _ in range(4096):  # enough for any real prompt; a degenerate cap falls back to the bound
+        budget = step_tokens
+        c = cap if left else step_tokens
+        for i, n in enumerate(left):
+            t = min(n, c, budget)
+            left[i] -= t
+            budget -= t
+            computed += t
+        t = min(head_tokens, c, budget)
+        head_tokens -= t
+        computed += t
+        if head_tokens <= 0:
+            return computed
+        left = [n for n in left if n > 0]
+    return total
 
 
 def choose_victims(
@@ -46,7 +81,9 @@ def choose_victims(
 
     vLLM keeps giving each step's token budget to requests already running
     before it looks at a waiting one, whatever their priorities, so every
-    running prompt delays `head` by all of its remaining work. Preempt only
+    running prompt delays `head` by all of its remaining work, or, with a
+    per-request cap, by its share of each step until `head` is done
+    (`tokens_until_done`). Preempt only
     when `head` would miss its deadline waiting for them, and then abort
     looser-tier requests (loosest tier, then latest deadline, then most
     remaining work: the least sunk cost) until what is left fits before the
@@ -55,19 +92,55 @@ def choose_victims(
     """
     if not policy.enabled or not running or tokens_per_s <= 0:
         return []
-    budget_tokens = (head.deadline_ms - now_ms) * tokens_per_s / 1000.0 - head.prompt_tokens
-    ahead = sum(r.remaining_tokens for r in running)
-    if ahead <= budget_tokens:
+    budget_tokens = (head.deadline_ms - now_ms) * tokens_per_s / 1000.0
+
+    def fits(kept: list[Running]) -> bool:
+        work = tokens_until_done([r.remaining_tokens for r in kept], head.prompt_tokens,
+                                 policy.step_tokens, policy.prefill_cap)
+        return work <= budget_tokens
+
+    if fits(running):
         return []
     candidates = sorted(
         (r for r in running if r.tier_rank > head.tier_rank and r.preemptions < policy.max_preemptions),
         key=lambda r: (r.tier_rank, r.deadline_ms, r.remaining_tokens),
         reverse=True,
     )
-    victims = []
+    kept, victims = list(running), []
     for r in candidates:
-        if ahead <= budget_tokens:
-            break
         victims.append(r.request_id)
-        ahead -= r.remaining_tokens
+        kept.remove(r)
+        if fits(kept):
+            break
     return victims
+
+
+@dataclass(frozen=True)
+class Shield:
+    """What a worker that just preempted for a request of tier rank `rank` owes it.
+
+    With a per-request step cap the engine shares each step between every prompt
+    it holds, so victims re-queued and claimed straight back (the worker has room
+    again) would take half of every step from the request they were aborted for,
+    and the abort would buy nothing. So the worker claims only tiers of rank <=
+    `rank` until that tier's work is done here and none is waiting on its streams,
+    or `until_ms` (the protected request's deadline) has passed; the victims wait
+    on their streams meanwhile, where any other worker may take them.
+    """
+
+    rank: int
+    until_ms: int
+
+    def merged(self, other: Shield | None) -> Shield:
+        """Protect both: the looser of the two ranks, the later of the two deadlines."""
+        if other is None:
+            return self
+        return Shield(max(self.rank, other.rank), max(self.until_ms, other.until_ms))
+
+    def limit(self, now_ms: int) -> int | None:
+        """The loosest tier rank the worker may claim now; None once the shield has expired."""
+        return self.rank if now_ms < self.until_ms else None
+
+    def lifts(self, computing_ranks) -> bool:
+        """Asked when a claim limited to its tiers found nothing: lifted unless one of them computes here."""
+        return not any(r <= self.rank for r in computing_ranks)

@@ -44,6 +44,13 @@ class EngineConfig:
     # long prompt can hold the engine once a more urgent request arrives: an abort
     # or a priority change takes effect at the next step. 0 = vLLM's default.
     max_num_batched_tokens: int = 256
+    # Per-request cap on a step's prompt tokens while the engine holds more than one
+    # request (vLLM long_prefill_token_threshold; a lone prompt still takes the whole
+    # step). vLLM schedules running requests before waiting ones, so without the cap a
+    # long prompt mid-prefill takes every step until it is done and a chat arriving
+    # behind it waits all of it; with it the chat's prompt shares the next step.
+    # -1 = half of max_num_batched_tokens; 0 = off.
+    long_prefill_token_threshold: int = -1
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
@@ -67,6 +74,15 @@ class EngineConfig:
     sim_prefill_per_token_s: float = 0.0001
     sim_decode_base_s: float = 0.01
     sim_decode_per_seq_s: float = 0.001
+
+    def prefill_cap(self) -> int:
+        """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
+        return prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+
+
+def prefill_cap(threshold: int, step_tokens: int) -> int:
+    """The per-request prompt-token cap of an engine stepping `step_tokens` at a time (0 = none)."""
+    return step_tokens // 2 if threshold < 0 else threshold
 
 
 @dataclass(frozen=True)

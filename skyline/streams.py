@@ -172,10 +172,11 @@ class TierQueues:
                 heads[tier] = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]))
         return heads
 
-    async def claim(self, block_ms: int = 1000) -> Claimed | None:
-        """Claim the next entry in EDF order, or None if nothing arrived in `block_ms`."""
+    async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None) -> Claimed | None:
+        """Claim the next entry in EDF order (among `tiers` only, if given), or None if
+        nothing arrived in `block_ms` (or only entries of other tiers are waiting)."""
         heads = await self.peek_heads(block_ms)
-        tier = pick_tier({t: h.deadline_ms for t, h in heads.items()}, self.tier_names)
+        tier = pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
         if tier is None:
             return None
         key = self.stream_of[tier]

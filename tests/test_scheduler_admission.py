@@ -4,7 +4,14 @@ import pytest
 
 from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit, predict_ttft_ms
 from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
-from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
+from skyline.scheduler.preemption import (
+    PreemptionPolicy,
+    Running,
+    Shield,
+    Waiting,
+    choose_victims,
+    tokens_until_done,
+)
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.tiers import DEFAULT_TIERS
 
@@ -73,6 +80,42 @@ def test_preempts_the_least_urgent_requests_until_the_head_fits():
     # With 3 s of slack, dropping the batch prompts is enough; the standard one stays.
     head = Waiting(0, deadline_ms=3_000, prompt_tokens=100)
     assert choose_victims(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == ["b-late", "b-early"]
+
+
+def test_tokens_until_done_follows_vllm_steps_with_and_without_a_cap():
+    # No cap: the running prompts' remaining work, then the head's.
+    assert tokens_until_done([1000], 74) == 1074
+    assert tokens_until_done([1000], 74, step_tokens=256, cap=0) == 1074
+    # Cap 128 in 256-token steps: after the step in progress (256), the running prompt takes
+    # 128 a step, the head the other 128.
+    assert tokens_until_done([1000], 74, 256, 128) == 256 + 128 + 74
+    assert tokens_until_done([1000], 294, 256, 128) == 256 + 3 * 128 + 294  # 128+128, 128+128, 128+38
+    # The running prompt finishes first: the head is then alone and takes whole steps.
+    assert tokens_until_done([100], 294, 256, 128) == 100 + 100 + 294  # (100), 100+128, then 166 alone
+    # Two running prompts fill the step between them: the head waits until one is done.
+    assert tokens_until_done([300, 1000], 74, 256, 128) == 256 + (128 + 128) * 2 + 44 + 128 + 74
+
+
+def test_a_capped_engine_preempts_only_for_heads_that_sharing_the_step_would_make_late():
+    """1,000 ms to the deadline at 1,000 tokens/s: room for 1,000 tokens of engine work."""
+    capped = PreemptionPolicy(step_tokens=256, prefill_cap=128)
+    rag = [Running("rag", 2, 60_000, 1500, 0)]
+    # A 100-token chat shares the step after the one in progress (256 + 228 tokens of work):
+    # no need to abort the RAG prompt.
+    assert choose_victims(capped, rag, Waiting(0, 1_000, 100), 0, 1000) == []
+    # Uncapped, the same chat waits for the RAG prompt's 1,500 tokens: preempt.
+    assert choose_victims(PreemptionPolicy(), rag, Waiting(0, 1_000, 100), 0, 1000) == ["rag"]
+    # A 400-token chat sharing steps takes 4 of them (256 + 400 + 4 x 128 tokens): too late, preempt.
+    assert choose_victims(capped, rag, Waiting(0, 1_000, 400), 0, 1000) == ["rag"]
+
+
+def test_a_shield_limits_claims_to_its_tiers_until_their_work_is_done_or_its_deadline():
+    shield = Shield(rank=0, until_ms=1_000)
+    assert shield.limit(999) == 0 and shield.limit(1_000) is None  # expires at the protected deadline
+    assert not shield.lifts([0, 2]) and not shield.lifts([0])  # an interactive prompt still computes here
+    assert shield.lifts([1, 2]) and shield.lifts([])  # only looser work left: claim anything again
+    both = Shield(1, 800).merged(shield)
+    assert both == Shield(1, 1_000) and Shield(1, 800).merged(None) == Shield(1, 800)
 
 
 def test_preemption_never_hits_same_or_stricter_tiers_and_is_bounded():

@@ -79,12 +79,13 @@ def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budg
     """Hand-checked, as the live decode worker behaves (tests/test_slo_scheduling.py): prefill at
     1,000 tokens/s in 256-token steps (0.256 s each). A 1,500-token batch prompt starts at 0; an
     interactive 30-token prompt arrives at 0.3 s, in the RAG's second step (0.256-0.512 s).
-    Preempting: the RAG's chunk in that step is lost, the chat leads the next step (0.512-0.768 s),
-    TTFT 0.468 s. Without: the RAG keeps its place and the chat rides its sixth step (220 + 30
+    Preempting: the RAG's chunk in that step is lost, and the worker, shielded, leaves the re-queued
+    RAG prompt on the stream until the chat is done: the chat's 30 tokens alone (0.512-0.542 s),
+    TTFT 0.242 s (re-claimed at once, the RAG prompt would fill the step: TTFT 0.468 s). Without: the RAG keeps its place and the chat rides its sixth step (220 + 30
     tokens, to 1.53 s), TTFT 1.23 s, past the interactive tier's 1 s."""
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    cfg = with_overrides(load_config(None), admission=False)
-    for preemption, chat_ttft, preempted in ((True, 0.468, 1), (False, 1.23, 0)):
+    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=0)  # uncapped steps
+    for preemption, chat_ttft, preempted in ((True, 0.242, 1), (False, 1.23, 0)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
         chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
         sim = Simulation(with_overrides(cfg, preemption=preemption), FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
@@ -98,6 +99,33 @@ def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budg
     sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
     sim.run(rags, drain_s=1.0)  # stop at 1 s, before the first prompt is done
     assert len(sim.decode_workers[0].local) == 2 and sim.decode_q.size == 1
+
+
+def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_for():
+    """Hand-checked, the engine's per-request cap at its default (half the 256-token step): prefill
+    at 1,000 tokens/s, a 1,500-token batch prompt from 0 (alone: whole steps, 0.256 s each).
+
+    A 30-token chat at 0.3 s shares the next step (0.512 s: 128 RAG + 30 chat tokens, 0.158 s):
+    TTFT 0.370 s, no preemption, and the RAG prompt loses nothing (done at 1.530 s, as if alone).
+
+    A 294-token chat due 0.6 s after it arrives would share three steps (678 tokens, 0.678 s): the
+    RAG prompt is preempted; the worker is shielded until the chat is done, so the RAG prompt
+    waits on the stream instead of taking half of each step back. The chat runs alone from 0.512 s
+    (256 + 38 tokens): TTFT 0.506 s. The RAG prompt restarts at 0.806 s with 128-token chunks
+    while the chat decodes its other 3 tokens (to 1.190 s), then whole steps: done at 2.306 s.
+    """
+    m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
+    cfg = with_overrides(load_config(None), admission=False)
+    for chat_tokens, target_ms, chat_ttft, rag_ttft, preempted in ((30, 1e9, 0.370, 1.530, 0),
+                                                                   (294, 600, 0.506, 2.306, 1)):
+        rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
+        chat = SimRequest(1, "chat", "interactive", 0.3, chat_tokens, 4, target_ms, 1e9)
+        sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+        sim.run([rag, chat], drain_s=60)
+        assert rag.outcome == chat.outcome == "ok"
+        assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6)
+        assert rag.ttft_s == pytest.approx(rag_ttft, abs=1e-6)
+        assert sim.counters["preempted"] == preempted
 
 
 def test_admission_control_sheds_what_cannot_meet_its_target():

@@ -37,7 +37,7 @@ from skyline.keys import Keys
 from skyline.reaper import forget_departed, reclaim
 from skyline.runs import Runs
 from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
-from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Shield, Waiting, choose_victims
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.workers import observe
@@ -75,7 +75,13 @@ class WorkerRuntime:
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
-        self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
+        # The engine's step shape, for the preemption check. The per-request cap is vLLM's; the sim
+        # engine has none (it schedules waiting prompts by priority).
+        cap = cfg.engine.prefill_cap() if engine.kind == "vllm" else 0
+        self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions,
+                                           cfg.engine.max_num_batched_tokens, cap)
+        self.shield: Shield | None = None  # set by a preemption: claim only its tiers for a while
+        self.tiers_by_rank = sorted(self.tier_rank, key=self.tier_rank.__getitem__)
         # The tasks (not request ids) being preempted or handed back: a preempted request can be
         # claimed again, under the same id, before its old task has finished cleaning up.
         self.preempting: set[asyncio.Task] = set()
@@ -189,15 +195,13 @@ class WorkerRuntime:
         Called for the head of the streams while the worker is full, and for each
         request as it is claimed: the engine gives its step budget to the prompts it
         already runs before a newcomer, whatever their priorities."""
-        running = []
-        for rid, (task, claimed) in self.in_flight.items():
-            req = _request_of(claimed.message)
-            # Decode workers preempt only prompts they are still computing, never a stream in progress.
-            if task not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
-                running.append(Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms,
-                                       len(req.prompt_token_ids), req.preemptions))
+        running = [Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids),
+                           req.preemptions) for rid, req in self._computing()]
         waiting = Waiting(self.tier_rank.get(tier, 99), deadline_ms, prompt_tokens)
-        for victim in choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s()):
+        victims = choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s())
+        if victims:
+            self.shield = Shield(waiting.tier_rank, deadline_ms).merged(self.shield)
+        for victim in victims:
             log.info("preempting %s for a %s request due in %d ms", victim, tier, deadline_ms - now_ms())
             self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
                                for_tier=tier)
@@ -205,6 +209,21 @@ class WorkerRuntime:
             self.preempting.add(task)
             self.cancel(task)
             await self.engine.abort(victim)
+
+    def _computing(self):
+        """(request id, request) of the prompts this worker's engine is computing and may preempt:
+        a prefill worker's, or a decode worker's own (never a stream in progress)."""
+        for rid, (task, claimed) in self.in_flight.items():
+            if task not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
+                yield rid, _request_of(claimed.message)
+
+    def _claimable_tiers(self) -> tuple[str, ...] | None:
+        """The tiers the next claim may take from (None = all): those a recent preemption shields."""
+        limit = self.shield.limit(now_ms()) if self.shield is not None else None
+        if limit is None:
+            self.shield = None
+            return None
+        return tuple(self.tiers_by_rank[: limit + 1])
 
     def cancel(self, task: asyncio.Task) -> None:
         """Cancel a request's task (preemption, hand-back, the client's cancel).
@@ -302,8 +321,9 @@ class WorkerRuntime:
                 else:
                     await _wait_any(room, self.stopping, timeout=1.0)
                 continue
+            tiers = self._claimable_tiers()
             try:
-                claimed = await self.queues.claim(block_ms=500)
+                claimed = await self.queues.claim(block_ms=500, tiers=tiers)
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -317,6 +337,12 @@ class WorkerRuntime:
                 await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
                 continue
             if claimed is None:
+                if tiers is not None:  # only other tiers' entries may be waiting: re-check soon
+                    if self.shield is not None and self.shield.lifts(
+                            self.tier_rank.get(req.tier, 99) for _rid, req in self._computing()):
+                        self.shield = None
+                    else:
+                        await _wait_any(room, self.stopping, timeout=0.05)
                 continue
             if self.preemption.enabled and needs_prefill(claimed.message):  # it will compete for the step budget
                 req = _request_of(claimed.message)

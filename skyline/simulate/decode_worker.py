@@ -36,7 +36,8 @@ from collections import deque
 
 from skyline.scheduler.decode_room import tpot_room
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.simulate.preempt import victims_for
+from skyline.scheduler.preemption import Shield
+from skyline.simulate.preempt import shield_limit, victims_for
 from skyline.simulate.prefill_worker import plan_chunks
 
 
@@ -81,6 +82,8 @@ class DecodeWorker:
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
         self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
+        self.preemption = sim.decode_preemption  # the policy with this engine's step shape
+        self.shield = None  # after a preemption: claim only the protected tiers for a while
         # The claim rule's pace check (scheduler/decode_room.py): TPOT targets of the requests held
         # (target -> count), and the streams' time per token over the window. Live, a meter takes
         # every stream's gaps between tokens; here the steps add to two running sums (stream-seconds,
@@ -123,9 +126,16 @@ class DecodeWorker:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
         sim = self.sim
         q, now = sim.decode_q, sim.loop.now
+        max_rank = shield_limit(self, now) if self.shield is not None else None
         while q.size and limit > 0 and self.has_room():
+            item = q.claim(max_rank)
+            if item is None:  # shielded (preempt.py): only looser tiers wait
+                if not self.shield.lifts(h.req.rank for h in self.local):
+                    break
+                self.shield = max_rank = None
+                continue
             limit -= 1
-            req, prefill_end = q.claim()
+            req, prefill_end = item
             self.reserved += req.prompt_tokens
             if self.headroom > 0:
                 self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
@@ -147,6 +157,8 @@ class DecodeWorker:
     def preempt(self, head) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many."""
         victims = victims_for(self, self.local, head)
+        if victims:
+            self.shield = Shield(head.rank, int(head.deadline * 1000)).merged(self.shield)
         for h in victims:
             h.aborted = True  # the step in progress computes its chunk for nothing
             self.local.remove(h)
@@ -172,18 +184,20 @@ class DecodeWorker:
         return self.t + n * self.a + self.b * (n * self.C + self.B * n * (n - 1) / 2)
 
     def _steps_by(self, now: float) -> int:
-        """Whole steps of the current segment completed by `now`."""
-        dt = now - self.t
-        if dt <= 0 or self.B == 0:
+        """Whole steps of the current segment completed by `now` (T inlined: the hottest code of a big run)."""
+        t, B = self.t, self.B
+        dt = now - t
+        if dt <= 0 or B == 0:
             return 0
-        alpha, beta = self.b * self.B / 2, self.a + self.b * self.C - self.b * self.B / 2
+        a, b, C = self.a, self.b, self.C
+        alpha, beta = b * B / 2, a + b * C - b * B / 2
         if alpha <= 0:
             n = int(dt / beta) if beta > 0 else 0
         else:
             n = int((-beta + math.sqrt(beta * beta + 4 * alpha * dt)) / (2 * alpha))
-        while self._T(n + 1) <= now:
+        while t + (n + 1) * a + b * ((n + 1) * C + B * (n + 1) * n / 2) <= now:  # T(n + 1)
             n += 1
-        while n > 0 and self._T(n) > now:
+        while n > 0 and t + n * a + b * (n * C + B * n * (n - 1) / 2) > now:  # T(n)
             n -= 1
         return n
 
@@ -200,22 +214,23 @@ class DecodeWorker:
     def _advance(self, n: int) -> None:
         if n <= 0:
             return
-        first = self._T(1)
-        for m in self.pending_first:
-            m.req.first_t = first
-        self.pending_first.clear()
+        t, B = self.t, self.B
+        if self.pending_first:
+            first = self._T(1)
+            for m in self.pending_first:
+                m.req.first_t = first
+            self.pending_first.clear()
         if self.segments is not None:
-            self.segments.append((self.k, self.t, self.C, self.B, self.a, self.b))
-        t_new = self._T(n)
-        self.stream_s += (t_new - self.t) * self.B  # n steps of B streams: B tokens per step
-        self.tokens_out += n * self.B
-        self.k += n
-        self.C += self.B * n
+            self.segments.append((self.k, t, self.C, B, self.a, self.b))
+        t_new = t + n * self.a + self.b * (n * self.C + B * n * (n - 1) / 2)  # T(n)
+        self.stream_s += (t_new - t) * B  # n steps of B streams: B tokens per step
+        self.tokens_out += n * B
+        k = self.k = self.k + n
+        self.C += B * n
         self.t = t_new
         ends = self.ends
-        while ends and ends[0][0] <= self.k:
-            _end, _s, m = heapq.heappop(ends)
-            self._leave(m, t_new)
+        while ends and ends[0][0] <= k:
+            self._leave(heapq.heappop(ends)[2], t_new)
 
     def _release_tpot(self, req) -> None:
         if self.headroom <= 0:
@@ -293,7 +308,8 @@ class DecodeWorker:
         budget = self.perf.max_step_tokens - self.B
         started = [h for h in self.local if h.done]
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
-        chunks, work = plan_chunks(started + waiting, budget)
+        held = len(self.local) + self.B
+        chunks, work = plan_chunks(started + waiting, budget, self.sim.decode_cap if held > 1 else 0)
         if self.B:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:

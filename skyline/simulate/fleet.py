@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from skyline.config import SkylineConfig
+from skyline.config import SkylineConfig, prefill_cap
 from skyline.gateway.admission import policy_of, pool_rate, stage_of
 from skyline.scheduler.admission import FleetLoad, TtftCalibration, admit
 from skyline.scheduler.disagg import DisaggPolicy, route
@@ -75,6 +75,15 @@ class Simulation:
         self.perf_prefill, self.perf_decode = perf_prefill, perf_decode
         self.record_itl, self.allow_demotion, self.overhead_s = record_itl, allow_demotion, overhead_s
         self.kv_lease_s = cfg.engine.kv_lease_s
+        # Each engine's per-request prompt-token cap per step (vLLM long_prefill_token_threshold),
+        # resolved against the model's own step size as the live worker resolves it against its engine's.
+        threshold = cfg.engine.long_prefill_token_threshold
+        self.prefill_cap = prefill_cap(threshold, perf_prefill.max_step_tokens)
+        self.decode_cap = prefill_cap(threshold, perf_decode.max_step_tokens)
+        w = cfg.worker
+        self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens, self.prefill_cap)
+        self.decode_preemption = replace(self.preemption, step_tokens=perf_decode.max_step_tokens,
+                                         prefill_cap=self.decode_cap)
         self.loop = EventLoop()
         self.tiers = cfg.tiers
         order = tuple(t.name for t in sorted(cfg.tiers, key=lambda t: t.ttft_ms))
@@ -85,7 +94,6 @@ class Simulation:
         self.calibration = TtftCalibration() if cfg.gateway.admission and cfg.gateway.ttft_calibration else None
         g = cfg.gateway
         self.disagg = DisaggPolicy(fleet.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
-        self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions)
         self.prefill_workers = [PrefillWorker(self, i) for i in range(fleet.prefill if fleet.mode == "disagg" else 0)]
         self.decode_workers = [DecodeWorker(self, i) for i in range(fleet.decode)]
         self.neighbour_slowdown = neighbour_slowdown
@@ -160,7 +168,9 @@ class Simulation:
 
     def _dispatch(self, q: StageQueues, ready: deque) -> None:
         """New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order)."""
-        while q.size and ready:
+        for _ in range(len(ready)):  # once each: a shielded worker may find nothing it can take
+            if not q.size:
+                break
             w = ready.popleft()
             w.in_ready = False
             if w.has_room():
@@ -252,8 +262,10 @@ class Simulation:
 
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
                    max_running: int | None = None, min_remote_prefill_tokens: int | None = None,
-                   tpot_headroom: float | None = None) -> SkylineConfig:
+                   tpot_headroom: float | None = None, long_prefill_token_threshold: int | None = None) -> SkylineConfig:
     """The config the simulated fleet runs with, after command-line overrides."""
+    if long_prefill_token_threshold is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, long_prefill_token_threshold=long_prefill_token_threshold))
     if admission is not None:
         cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
     if min_remote_prefill_tokens is not None:

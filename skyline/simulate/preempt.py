@@ -6,7 +6,8 @@ as the live worker does: full prompt length as the remaining work, its tier
 rank, deadline and preemptions so far, and the worker's measured prefill rate
 (read once per heartbeat, as the fleet view refreshes it). Live, this runs
 when a request is claimed and, while the worker is full, for the EDF head of
-its stage at 20 Hz.
+its stage at 20 Hz. A worker that preempted is shielded (`Shield`): it claims only
+the protected tiers until their work here is done, or their deadline passes.
 """
 
 from __future__ import annotations
@@ -37,9 +38,21 @@ def victims_for(worker, held: list, head) -> list:
     running = [Running(str(h.order), h.req.rank, int(h.req.deadline * 1000), h.req.prompt_tokens, h.req.preemptions)
                for h in held]
     waiting = Waiting(head.rank, int(head.deadline * 1000), head.prompt_tokens)
-    chosen = set(choose_victims(sim.preemption, running, waiting, int(sim.loop.now * 1000), measured_rate(worker)))
+    chosen = set(choose_victims(worker.preemption, running, waiting, int(sim.loop.now * 1000), measured_rate(worker)))
     victims = [h for h in held if str(h.order) in chosen]
     for h in victims:
         h.req.preemptions += 1
         sim.counters["preempted"] += 1
     return victims
+
+
+def shield_limit(worker, now: float) -> int | None:
+    """The loosest tier rank the worker may claim (None = any): its shield's, until the shield expires
+    (`scheduler.preemption.Shield`; the live worker's `_claimable_tiers`)."""
+    shield = worker.shield
+    if shield is None:
+        return None
+    limit = shield.limit(int(now * 1000))
+    if limit is None:
+        worker.shield = None
+    return limit

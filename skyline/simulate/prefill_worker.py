@@ -5,7 +5,8 @@ prompts and fewer than `prefill_token_budget` prompt tokens, it claims the
 EDF head of the prefill stage. The engine (as vLLM with priority
 scheduling and chunked prefill) runs steps of at most `max_step_tokens`
 tokens: prompts it has started keep their share of the step first, then
-waiting prompts by priority, then claim order. A finished prompt is timed
+waiting prompts by priority, then claim order, each at most the engine's
+per-request cap (`long_prefill_token_threshold`) while it holds more than one. A finished prompt is timed
 into the worker's `ThroughputMeter` (the live meter class), acked (its
 tokens leave the backlog) and handed to the decode stage.
 
@@ -16,7 +17,8 @@ it claims, and for the EDF head while it is full.
 from __future__ import annotations
 
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.simulate.preempt import victims_for
+from skyline.scheduler.preemption import Shield
+from skyline.simulate.preempt import shield_limit, victims_for
 
 
 class _Held:
@@ -40,6 +42,8 @@ class PrefillWorker:
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
         self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
+        self.preemption = sim.preemption  # the policy with this engine's step shape
+        self.shield = None  # after a preemption: claim only the protected tiers for a while
 
     # -- claiming ------------------------------------------------------------------
 
@@ -49,9 +53,16 @@ class PrefillWorker:
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
         q = self.sim.prefill_q
+        max_rank = shield_limit(self, self.sim.loop.now) if self.shield is not None else None
         while q.size and limit > 0 and self.has_room():
+            item = q.claim(max_rank)
+            if item is None:  # shielded (preempt.py): only looser tiers wait
+                if not self.shield.lifts(h.req.rank for h in self.held):
+                    break
+                self.shield = max_rank = None
+                continue
             limit -= 1
-            req, _ = q.claim()
+            req, _ = item
             self.preempt(req)  # live: every claimed prompt competes for the step budget
             self._order += 1
             self.held.append(_Held(req, self._order, self.sim.loop.now))
@@ -76,7 +87,7 @@ class PrefillWorker:
         else:
             order = [h for h in self.held if h.done]
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
-        chunks, work = plan_chunks(order, budget)
+        chunks, work = plan_chunks(order, budget, self.sim.prefill_cap if len(order) > 1 else 0)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
             dur *= self.sim.neighbour_slowdown
@@ -113,6 +124,8 @@ class PrefillWorker:
     def preempt(self, head) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many."""
         victims = victims_for(self, self.held, head)
+        if victims:
+            self.shield = Shield(head.rank, int(head.deadline * 1000)).merged(self.shield)
         for h in victims:
             h.aborted = True
             self.held.remove(h)
@@ -123,15 +136,19 @@ class PrefillWorker:
         return len(victims)
 
 
-def plan_chunks(handles, budget: int) -> tuple[list[tuple[int, int]], list]:
+def plan_chunks(handles, budget: int, cap: int = 0) -> tuple[list[tuple[int, int]], list]:
     """One chunked-prefill step: prompt tokens taken from `handles` in order until
-    the step's token `budget` is spent. Returns ((tokens done before, tokens now)
+    the step's token `budget` is spent, at most `cap` per prompt (0 = no cap; the
+    caller passes 0 when the engine holds one request alone, as vLLM lifts its
+    long_prefill_token_threshold then). Returns ((tokens done before, tokens now)
     per prompt, for the performance model) and ((handle, tokens now) per prompt)."""
     chunks, work = [], []
     for h in handles:
         if budget <= 0:
             break
         n = min(budget, h.req.prompt_tokens - h.done)
+        if 0 < cap < n:
+            n = cap
         chunks.append((h.done, n))
         work.append((h, n))
         budget -= n

@@ -45,10 +45,17 @@ class StageQueues:
             return None
         return self.queues[pick_tier(self.heads(), self.tier_order)][0]
 
-    def claim(self):
-        """Take the entry EDF serves next (None when empty)."""
+    def claim(self, max_rank: int | None = None):
+        """Take the entry EDF serves next (None when empty), among the tiers of rank <= `max_rank` if given."""
         if not self.size:
             return None
+        if max_rank is not None:
+            heads = {t: int(self.queues[t][0][0].deadline * 1000) for t in self.tier_order[: max_rank + 1]
+                     if self.queues[t]}
+            if not heads:
+                return None
+            self.size -= 1
+            return self.queues[pick_tier(heads, self.tier_order)].popleft()
         self.size -= 1
         only = None
         for q in self.queues.values():

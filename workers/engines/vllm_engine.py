@@ -72,6 +72,7 @@ class VllmEngine(Engine):
         scheduling_policy: str = "priority",
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
+        long_prefill_token_threshold: int = 0,
         kv_lease_s: int = DEFAULT_KV_LEASE_S,
         kv_role: str = "kv_both",
         enforce_eager: bool | None = None,
@@ -89,6 +90,7 @@ class VllmEngine(Engine):
         self.scheduling_policy = scheduling_policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.kv_lease_s = kv_lease_s
         # vLLM 0.32 logs kv_both as deprecated (kv_producer / kv_consumer per
         # role); kv_both lets one engine serve disagg decode AND colocated work.
@@ -153,6 +155,8 @@ class VllmEngine(Engine):
             kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.long_prefill_token_threshold > 0:
+            kwargs["long_prefill_token_threshold"] = self.long_prefill_token_threshold
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
