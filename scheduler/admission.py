@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import NamedTuple
 
 from skyline.scheduler.tiers import Tier
@@ -55,16 +54,27 @@ class Decision(NamedTuple):
     reason: str = ""
 
 
-@lru_cache(maxsize=256)
-def _tiers_ahead(tiers: tuple[Tier, ...], tier: str) -> frozenset[str]:
+_AHEAD: dict[tuple[int, str], tuple[tuple[Tier, ...], tuple[str, ...]]] = {}
+
+
+def _tiers_ahead(tiers: tuple[Tier, ...], tier: str) -> tuple[str, ...]:
+    """The tiers EDF serves no later than `tier`; memoised by the identity of `tiers` (a config's
+    tuple lives as long as the config; hashing its dataclasses on every request cost more)."""
+    hit = _AHEAD.get((id(tiers), tier))
+    if hit is not None and hit[0] is tiers:
+        return hit[1]
     limit = {t.name: t.ttft_ms for t in tiers}[tier]  # an unknown tier is a KeyError
-    return frozenset(t.name for t in tiers if t.ttft_ms <= limit)
+    names = tuple(t.name for t in tiers if t.ttft_ms <= limit)
+    if len(_AHEAD) > 256:
+        _AHEAD.clear()
+    _AHEAD[(id(tiers), tier)] = (tiers, names)
+    return names
 
 
 def tokens_ahead(tiers: tuple[Tier, ...], tier: str, load: FleetLoad) -> int:
     """Prefill tokens EDF serves before a new request of `tier`: its own and stricter tiers'."""
-    ahead = _tiers_ahead(tiers, tier)
-    return sum(n for name, n in load.queued_tokens.items() if name in ahead)
+    queued = load.queued_tokens
+    return sum(queued.get(name, 0) for name in _tiers_ahead(tiers, tier))
 
 
 def predict_ttft_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prompt_tokens: int, load: FleetLoad) -> float:

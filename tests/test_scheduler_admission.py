@@ -1,7 +1,6 @@
 import math
 
 import pytest
-
 from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit, predict_ttft_ms
 from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
 from skyline.scheduler.preemption import (

@@ -35,8 +35,8 @@ import math
 from collections import deque
 
 from skyline.scheduler.decode_room import tpot_room
-from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.preemption import Shield
+from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import shield_limit, victims_for
 from skyline.simulate.prefill_worker import plan_chunks
 
@@ -131,7 +131,7 @@ class DecodeWorker:
             item = q.claim(max_rank)
             if item is None:  # shielded (preempt.py): only looser tiers wait
                 if not self.shield.lifts(h.req.rank for h in self.local):
-                    break
+                    return  # out of the ready queue: nothing there is its to take; its own steps claim again
                 self.shield = max_rank = None
                 continue
             limit -= 1
@@ -152,7 +152,9 @@ class DecodeWorker:
                     self.stepping = True
                     self.version += 1  # the scheduled completion belongs to the closed-form mode
                     self._start_mixed()
-        sim.note_room(self, sim.decode_ready)
+        if not self.in_ready and self.has_room():  # sim.note_room, inlined: called after every batch event
+            self.in_ready = True
+            sim.decode_ready.append(self)
 
     def preempt(self, head) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many."""

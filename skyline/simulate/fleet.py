@@ -134,7 +134,7 @@ class Simulation:
 
     def arrive(self, req: SimRequest) -> None:
         now = self.loop.now
-        slo = self._slo(req)
+        slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
         req.route = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
@@ -168,9 +168,7 @@ class Simulation:
 
     def _dispatch(self, q: StageQueues, ready: deque) -> None:
         """New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order)."""
-        for _ in range(len(ready)):  # once each: a shielded worker may find nothing it can take
-            if not q.size:
-                break
+        while q.size and ready:  # (a shielded worker that finds nothing it may take leaves the queue)
             w = ready.popleft()
             w.in_ready = False
             if w.has_room():

@@ -16,8 +16,8 @@ it claims, and for the EDF head while it is full.
 
 from __future__ import annotations
 
-from skyline.scheduler.throughput import ThroughputMeter
 from skyline.scheduler.preemption import Shield
+from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import shield_limit, victims_for
 
 
@@ -54,10 +54,12 @@ class PrefillWorker:
         """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
         q = self.sim.prefill_q
         max_rank = shield_limit(self, self.sim.loop.now) if self.shield is not None else None
+        shielded = False
         while q.size and limit > 0 and self.has_room():
             item = q.claim(max_rank)
             if item is None:  # shielded (preempt.py): only looser tiers wait
                 if not self.shield.lifts(h.req.rank for h in self.held):
+                    shielded = True  # out of the ready queue: nothing there is its to take; its steps claim again
                     break
                 self.shield = max_rank = None
                 continue
@@ -73,7 +75,8 @@ class PrefillWorker:
             self._start_step()
             if self.neighbour is not None:
                 self.neighbour.neighbour_changed()  # from idle to busy
-        self.sim.note_room(self, self.sim.prefill_ready)
+        if not shielded:
+            self.sim.note_room(self, self.sim.prefill_ready)
 
     def busy(self) -> bool:
         return self.stepping
