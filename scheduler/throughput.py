@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 class ThroughputMeter:
     window_ms: int = 30_000  # forget work that ended longer ago than this
     max_samples: int = 256
-    _samples: deque = field(default_factory=deque)
+    _samples: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._samples = deque(maxlen=self.max_samples)  # the oldest sample drops out as a new one comes
 
     def record(self, start_ms: int, end_ms: int, tokens: int) -> None:
         if end_ms <= start_ms or tokens <= 0:
             return
         self._samples.append((start_ms, end_ms, tokens))
-        while len(self._samples) > self.max_samples:
-            self._samples.popleft()
 
     def tokens_per_s(self, now_ms: int) -> float | None:
         """Tokens per busy second over the window; None before any measurement."""

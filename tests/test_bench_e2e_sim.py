@@ -29,8 +29,11 @@ def _reject_nan(token: str):
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    config = out / "skyline.toml"  # the Skyline systems' own config file: every process must read it
+    config.write_text('[engine]\nserved_model_name = "bench-sim"\n')
     args = build_parser().parse_args([
         "bench", "run", "--systems", ",".join(SYSTEMS), "--rates", ",".join(map(str, RATES)),
+        "--skyline-config", str(config),
         "--duration", str(DURATION_S), "--drain", "15", "--mix", "0.5", "--warmup", "1",
         "--chat-prompt", "40-200", "--rag-prompt", "600-1200", "--chat-output", "4-16", "--rag-output", "4-16",
         # Explicit targets: no unloaded probe needed, and loose enough for a busy test machine.
@@ -52,6 +55,7 @@ def test_report_files_are_written(bench_run):
     on_disk = json.loads((out / "results.json").read_text(), parse_constant=_reject_nan)
     assert on_disk["runs"] == results["runs"]
     assert {s: v["status"] for s, v in results["systems"].items()} == {s: "ok" for s in SYSTEMS}
+    assert {v["model"] for v in results["systems"].values()} == {"bench-sim"}  # --skyline-config reached them
     assert any((out / "logs").glob("sim-disagg-prefill-*.log"))
 
 

@@ -60,6 +60,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="with --endpoint: model name to send (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default="default",
                    help="with --endpoint: 'default' (the default model's), 'bytes' (sim engine) or an HF folder")
+    p.add_argument("--skyline-config", help="TOML config file the Skyline systems' gateway and workers start with "
+                   "(see deploy/skyline.toml; default: the built-in defaults)")
     p.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
 
 

@@ -60,6 +60,8 @@ class Bench:
         self.args, self.command = args, command or "(called from Python)"
         self.rates = [float(r) for r in str(p["rates"]).split(",") if r.strip()]
         self.duration_s, self.num_requests, self.drain_s = p["duration"], args.num_requests, p["drain"]
+        config = getattr(args, "skyline_config", None)  # (absent from other commands' argument sets)
+        self.skyline_config = str(Path(config).resolve()) if config else ""
         self.probe_n, self.warmup_n = p["probe_requests"], p["warmup"]
         self.workload = WorkloadSpec(
             mix=args.mix, chat_prompt=parse_range(p["chat_prompt"]), rag_prompt=parse_range(p["rag_prompt"]),
@@ -111,7 +113,7 @@ class Bench:
         t0 = time.monotonic()
         bar.write(f"[{spec.name}] starting ...")
         running = start(spec, self.out / "logs", self.args.start_timeout, self.args.endpoint or "",
-                        self.args.model or "")
+                        self.args.model or "", self.skyline_config)
         info = {"status": "ok", "startup_s": round(time.monotonic() - t0, 1), "url": running.url,
                 "model": running.model}
         bar.write(f"[{spec.name}] ready in {info['startup_s']} s at {running.url}")
@@ -201,6 +203,7 @@ class Bench:
                        "num_requests": self.num_requests, "drain_s": self.drain_s, "quick": self.args.quick,
                        "probe_requests": self.probe_n, "warmup": self.warmup_n,
                        "allow_demotion": self.args.allow_demotion,
+                       "skyline_config": self.skyline_config,
                        "workload": asdict(self.workload)},
             "definitions": report.DEFINITIONS,
             "slo": self.targets.to_dict() if self.targets else {"ttft_ms": {}, "tpot_ms": {}, "source": "not measured"},

@@ -67,6 +67,7 @@ class Running:
     redis: subprocess.Popen | None = None
     tmp: tempfile.TemporaryDirectory | None = None
     logs: list[Path] = field(default_factory=list)
+    config: str = ""  # TOML file a Skyline system's processes start with ("" = defaults)
 
     def stop(self) -> None:
         """Workers first (they drain and deregister), then the gateway/server, then Redis."""
@@ -116,8 +117,10 @@ def _wait(run: Running, ready, timeout_s: float) -> None:
     raise TimeoutError(f"{run.spec.name} not ready after {timeout_s:.0f}s (logs: {', '.join(map(str, run.logs))})")
 
 
-def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str = "", model: str = "") -> Running:
-    """Start `spec` and return once it serves requests (or raise, having stopped what it started)."""
+def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str = "", model: str = "",
+          config: str = "") -> Running:
+    """Start `spec` and return once it serves requests (or raise, having stopped what it started);
+    a Skyline system's gateway and workers read `config` (a TOML file) when given."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if spec.kind == "endpoint":
         url = endpoint.rstrip("/").removesuffix("/v1")
@@ -125,7 +128,7 @@ def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         return Running(spec, url, model)
     starter = _start_vllm if spec.kind == "vllm" else _start_skyline
-    run = Running(spec, "", "")
+    run = Running(spec, "", "", config=config)
     try:
         starter(run, log_dir, timeout_s)
     except BaseException:
@@ -161,9 +164,11 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     common = ["--redis-url", f"redis://127.0.0.1:{rport}/0", "--engine", spec.engine]
     if spec.engine == "vllm":
         common += ["--model", "default"]
+    if run.config:
+        common += ["--config", run.config]
     cli = [sys.executable, "-m", "skyline.cli"]
     # Same pinning as `skyline up`: colocated = one worker on every core; disagg = prefill core 0, decode core 1.
-    cfg = load_config(None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
+    cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
     plan = plan_workers(cfg, 1, 1)
     for name, extra in plan:
         _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)

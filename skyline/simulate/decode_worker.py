@@ -95,6 +95,8 @@ class DecodeWorker:
         self.snapshots: deque = deque()  # (at, stream_s, tokens_out)
         self.pace_ok, self.pace_at = True, -1.0  # the verdict for a worker holding 2 or more, and when read
         self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
+        self.loop = sim.loop
+        self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
 
     # -- room and claims ---------------------------------------------------------------
 
@@ -283,16 +285,20 @@ class DecodeWorker:
         self.claim_while_room()
 
     def _reschedule(self) -> None:
-        if self.headroom > 0 and self.sim.loop.now - self.pace_at >= 0.2:
+        loop = self.loop
+        if self.headroom > 0 and loop.now - self.pace_at >= 0.2:
             self._read_pace()
-        self.version += 1
-        if self.B == 0:
+        self.version = version = self.version + 1
+        B, C = self.B, self.C
+        if B == 0:
             return
-        self.a, self.b = self.perf.decode_coeffs(self.B, self.C)
+        a, b = self.perf.decode_coeffs(B, C)
         if self.neighbour is not None and self.neighbour.busy():
-            self.a *= self.sim.neighbour_slowdown
-            self.b *= self.sim.neighbour_slowdown
-        self.sim.loop.at(self._T(self.ends[0][0] - self.k), self._on_complete, self.version)
+            a *= self.sim.neighbour_slowdown
+            b *= self.sim.neighbour_slowdown
+        self.a, self.b = a, b
+        n = self.ends[0][0] - self.k
+        loop.at(self.t + n * a + b * (n * C + B * n * (n - 1) / 2), self._complete_cb, version)  # at T(n)
 
     def _on_complete(self, version: int) -> None:
         if version != self.version:
