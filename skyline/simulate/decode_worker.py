@@ -37,7 +37,7 @@ from collections import deque
 from skyline.scheduler.decode_room import tpot_room
 from skyline.scheduler.preemption import Shield
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.simulate.preempt import shield_limit, victims_for
+from skyline.simulate.preempt import claim_for, victims_for
 from skyline.simulate.prefill_worker import plan_chunks
 
 
@@ -128,14 +128,10 @@ class DecodeWorker:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
         sim = self.sim
         q, now = sim.decode_q, sim.loop.now
-        max_rank = shield_limit(self, now) if self.shield is not None else None
         while q.size and limit > 0 and self.has_room():
-            item = q.claim(max_rank)
-            if item is None:  # shielded (preempt.py): only looser tiers wait
-                if not self.shield.lifts(h.req.rank for h in self.local):
-                    return  # out of the ready queue: nothing there is its to take; its own steps claim again
-                self.shield = max_rank = None
-                continue
+            item = claim_for(self, q, self.local)
+            if item is None:  # shielded: only looser tiers wait
+                return  # out of the ready queue: nothing there is its to take; its own steps claim again
             limit -= 1
             req, prefill_end = item
             self.reserved += req.prompt_tokens

@@ -46,13 +46,19 @@ def victims_for(worker, held: list, head) -> list:
     return victims
 
 
-def shield_limit(worker, now: float) -> int | None:
-    """The loosest tier rank the worker may claim (None = any): its shield's, until the shield expires
-    (`scheduler.preemption.Shield`; the live worker's `_claimable_tiers`)."""
-    shield = worker.shield
-    if shield is None:
-        return None
-    limit = shield.limit(int(now * 1000))
-    if limit is None:
-        worker.shield = None
-    return limit
+def claim_for(worker, q, held: list):
+    """The next entry of stage queues `q` the worker may take, or None while its shield holds and only
+    looser tiers wait (`scheduler.preemption.Shield`, as the live worker's `_claimable_tiers` and claim
+    loop): expired, or with none of its tiers computing among the handles in `held`, the shield lifts."""
+    while True:
+        shield, max_rank = worker.shield, None
+        if shield is not None:
+            max_rank = shield.limit(int(worker.sim.loop.now * 1000))
+            if max_rank is None:
+                worker.shield = None  # expired
+        item = q.claim(max_rank)
+        if item is not None or max_rank is None:
+            return item
+        if not shield.lifts(h.req.rank for h in held):
+            return None
+        worker.shield = None  # lifted: claim any tier

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from skyline.scheduler.preemption import Shield
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.simulate.preempt import shield_limit, victims_for
+from skyline.simulate.preempt import claim_for, victims_for
 
 
 class _Held:
@@ -53,16 +53,12 @@ class PrefillWorker:
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
         q = self.sim.prefill_q
-        max_rank = shield_limit(self, self.sim.loop.now) if self.shield is not None else None
         shielded = False
         while q.size and limit > 0 and self.has_room():
-            item = q.claim(max_rank)
-            if item is None:  # shielded (preempt.py): only looser tiers wait
-                if not self.shield.lifts(h.req.rank for h in self.held):
-                    shielded = True  # out of the ready queue: nothing there is its to take; its steps claim again
-                    break
-                self.shield = max_rank = None
-                continue
+            item = claim_for(self, q, self.held)
+            if item is None:  # shielded: only looser tiers wait
+                shielded = True  # out of the ready queue: nothing there is its to take; its steps claim again
+                break
             limit -= 1
             req, _ = item
             self.preempt(req)  # live: every claimed prompt competes for the step budget
