@@ -28,7 +28,8 @@ class ThroughputMeter:
 
     def tokens_per_s(self, now_ms: int) -> float | None:
         """Tokens per busy second over the window; None before any measurement."""
-        recent = sorted((s, e, t) for s, e, t in self._samples if e >= now_ms - self.window_ms)
+        cutoff = now_ms - self.window_ms
+        recent = sorted([x for x in self._samples if x[1] >= cutoff])  # by start: (start, end, tokens)
         if not recent:
             return None
         busy_ms = 0
@@ -40,4 +41,4 @@ class ThroughputMeter:
             else:
                 cur_e = max(cur_e, e)
         busy_ms += cur_e - cur_s
-        return sum(t for _s, _e, t in recent) * 1000.0 / busy_ms
+        return sum([x[2] for x in recent]) * 1000.0 / busy_ms

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("profile", "simulate"):
         from skyline.simulate.cli import main as simulate_main
 
+        args.exit_when_done = argv is None  # a command of its own: `skyline simulate` may skip teardown
         simulate_main(args, argv if argv is not None else sys.argv[1:])
         return
     if args.command == "bench":

@@ -169,6 +169,29 @@ def test_a_request_joining_mid_step_waits_for_the_step_in_progress():
     assert a.itl_s[j - 1] == pytest.approx(first_b - t)  # a's step slowed by b's context
 
 
+def test_each_batch_change_moves_the_next_completion_as_the_step_times_say():
+    """b joins a's batch (a's next completion moves later), finishes first (an earlier completion than
+    the one armed for a) and leaves (a's steps speed up again): all by the closed-form step times."""
+    sim = _fleet()
+    a = SimRequest(0, "chat", "interactive", 0.0, 10, 50, 1e9, 1e9)
+    b = SimRequest(1, "chat", "interactive", 0.1, 10, 3, 1e9, 1e9)
+    seen, on_done = {}, sim.on_done
+    sim.on_done = lambda req: (seen.__setitem__(req.index, sim.loop.now), on_done(req))
+    sim.run([a, b], drain_s=60)
+    assert seen == {0: a.done_t, 1: b.done_t}  # the fleet learns of each completion when it happens
+    step = lambda context: 0.010 + 1e-6 * context
+    t, j = 0.01, 0  # a alone until the boundary after b's KV arrives at 0.11
+    while t <= 0.11:
+        t += step(10 + j)
+        j += 1
+    for i in range(3):  # together: b's three tokens
+        t += step(10 + j + i + 10 + i)
+    assert b.latency_s == pytest.approx(t - 0.1)
+    for i in range(j + 3, 50):  # a alone again
+        t += step(10 + i)
+    assert a.latency_s == pytest.approx(t)
+
+
 def test_colocated_requests_prefill_on_the_decode_worker():
     sim = _fleet("colocated")
     req = SimRequest(0, "chat", "interactive", 0.0, 200, 4, 1e9, 1e9)

@@ -40,6 +40,8 @@ from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 from skyline.simulate.prefill_worker import plan_chunks
 
+PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
+
 
 class _Member:
     __slots__ = ("end_step", "first_step", "req")
@@ -66,7 +68,10 @@ class DecodeWorker:
         self.ends: list = []  # heap of (end_step, seq, member)
         self._seq = 0
         self.pending_first: list[_Member] = []  # joined at this boundary: first token at step k + 1
-        self.version = 0
+        # The next member's completion: `due` is when it happens (None: no closed-form batch), `armed`
+        # the time of the one wake-up event that counts (see _reschedule).
+        self.due: float | None = None
+        self.armed: float | None = None
         self.arriving = 0  # claimed, KV on its way
         self.reserved = 0  # KV tokens of claimed requests not yet in the batch
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
@@ -112,8 +117,8 @@ class DecodeWorker:
 
     def _read_pace(self) -> None:
         """The pace rule's verdict, re-read at the worker's step and batch events at most every
-        0.2 simulated seconds (callers check; has_room uses it meanwhile): a claim needs no more
-        precision on a 10 s window, and a big fleet asks millions of times."""
+        PACE_READ_S simulated seconds (callers check; has_room uses it meanwhile): a claim needs no
+        more precision on a 10 s window, and a big fleet asks millions of times."""
         now = self.pace_at = self.sim.loop.now
         snaps = self.snapshots
         snaps.append((now, self.stream_s, self.tokens_out))
@@ -148,7 +153,7 @@ class DecodeWorker:
                 if not self.stepping:
                     self._align(now)
                     self.stepping = True
-                    self.version += 1  # the scheduled completion belongs to the closed-form mode
+                    self.due = None  # the wake-up armed for the closed-form batch finds nothing due
                     self._start_mixed()
         if not self.in_ready and self.has_room():  # sim.note_room, inlined: called after every batch event
             self.in_ready = True
@@ -281,12 +286,19 @@ class DecodeWorker:
         self.claim_while_room()
 
     def _reschedule(self) -> None:
+        """Recompute when the next member finishes, after any change to the batch.
+
+        Most changes are joins, which only slow the batch down: the completion
+        moves later. Rather than push an event per change (and skip the stale
+        ones, a fifth of a big run's events), the worker keeps one wake-up
+        armed: it pushes a new one only when the completion moved earlier than
+        the armed one, and an early wake-up re-arms for the new time."""
         loop = self.loop
-        if self.headroom > 0 and loop.now - self.pace_at >= 0.2:
+        if self.headroom > 0 and loop.now - self.pace_at >= PACE_READ_S:
             self._read_pace()
-        self.version = version = self.version + 1
         B, C = self.B, self.C
         if B == 0:
+            self.due = None
             return
         a, b = self.perf.decode_coeffs(B, C)
         if self.neighbour is not None and self.neighbour.busy():
@@ -294,11 +306,23 @@ class DecodeWorker:
             b *= self.sim.neighbour_slowdown
         self.a, self.b = a, b
         n = self.ends[0][0] - self.k
-        loop.at(self.t + n * a + b * (n * C + B * n * (n - 1) / 2), self._complete_cb, version)  # at T(n)
+        due = self.due = self.t + n * a + b * (n * C + B * n * (n - 1) / 2)  # T(n)
+        armed = self.armed
+        if armed is None or due < armed:
+            self.armed = due  # a wake-up armed later than this one is now stale
+            loop.at(due, self._complete_cb, due)
 
-    def _on_complete(self, version: int) -> None:
-        if version != self.version:
-            return  # the batch changed since this completion was scheduled
+    def _on_complete(self, at: float) -> None:
+        if at != self.armed:
+            return  # superseded by an earlier wake-up
+        self.armed = None
+        due = self.due
+        if due is None:
+            return  # the batch emptied or went to stepped mode
+        if due > at:  # the completion moved later since this wake-up was armed
+            self.armed = due
+            self.loop.at(due, self._complete_cb, due)
+            return
         self._advance(self.ends[0][0] - self.k)
         self._reschedule()
         self.claim_while_room()
@@ -353,7 +377,7 @@ class DecodeWorker:
                     self.sim.decode_q.release(req.tier, req.prompt_tokens)
                 req.first_t = now  # the step that finishes a prompt samples its first token
                 self._join(req, produced=1)
-        if self.headroom > 0 and now - self.pace_at >= 0.2:
+        if self.headroom > 0 and now - self.pace_at >= PACE_READ_S:
             self._read_pace()
         self.claim_while_room()
         if self.local or self.joining:
