@@ -102,7 +102,7 @@ def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budg
 
 
 def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_for():
-    """Hand-checked, the engine's per-request cap at its default (half the 256-token step): prefill
+    """Hand-checked, the engine's per-request cap at half the 256-token step (128): prefill
     at 1,000 tokens/s, a 1,500-token batch prompt from 0 (alone: whole steps, 0.256 s each).
 
     A 30-token chat at 0.3 s shares the next step (0.512 s: 128 RAG + 30 chat tokens, 0.158 s):
@@ -115,7 +115,7 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
     while the chat decodes its other 3 tokens (to 1.190 s), then whole steps: done at 2.306 s.
     """
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    cfg = with_overrides(load_config(None), admission=False)
+    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=128)
     for chat_tokens, target_ms, chat_ttft, rag_ttft, preempted in ((30, 1e9, 0.370, 1.530, 0),
                                                                    (294, 600, 0.506, 2.306, 1)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
