@@ -35,6 +35,17 @@ class Keys:
             raise ValueError(f"unknown stage {stage!r}")
         return f"{self.prefix}:{{{stage}}}:{tier}"
 
+    def retry_stream(self, stage: str, tier: str) -> str:
+        """STREAM `skyline:{prefill}:interactive:retry` — work of one tier returned to the queue.
+
+        A worker that preempts a request, or hands it back while draining, re-adds
+        it here with its original arrival and deadline. Stream entries cannot be
+        inserted ahead of others, and on the tier's own stream it would wait behind
+        every request that arrived after it; workers compare this lane's head with
+        the tier stream's and take the earlier deadline first. Same consumer group.
+        """
+        return f"{self.stream(stage, tier)}:retry"
+
     def tokens(self, request_id: str) -> str:
         """CHANNEL `skyline:tokens:<request id>` — output frames of one request.
 
@@ -219,8 +230,12 @@ class Keys:
         return f"{self.prefix}-batches"
 
     def all_streams(self, tiers: tuple[str, ...]) -> list[tuple[str, str, str]]:
-        """(stage, tier, key) for every work stream, in stage then tier order."""
+        """(stage, tier, key) for every tier stream, in stage then tier order (retry lanes: `lanes`)."""
         return [(stage, tier, self.stream(stage, tier)) for stage in STAGES for tier in tiers]
+
+    def lanes(self, stage: str, tiers: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(tier, key) of every stream a stage's workers read: each tier's stream, then its retry lane."""
+        return [(tier, key) for tier in tiers for key in (self.stream(stage, tier), self.retry_stream(stage, tier))]
 
     @staticmethod
     def group(stage: str) -> str:

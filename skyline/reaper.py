@@ -54,7 +54,7 @@ async def reclaim(queues: TierQueues, after_s: float, limit: int) -> list[Reclai
     live = await live_workers(r, queues.keys, after_s) | {me}
     idle_ms = int(after_s * 1000)
     out: list[Reclaimed] = []
-    for tier, key in queues.stream_of.items():
+    for tier, key in queues.lanes:
         pending = await r.xpending_range(key, group, min="-", max="+", count=max(limit * 4, 16), idle=idle_ms)
         stale = [p for p in pending if _s(p["consumer"]) not in live]
         if not stale:
@@ -81,7 +81,7 @@ async def forget_departed(queues: TierQueues, after_s: float) -> list[str]:
     r, group = queues.r, queues.group
     live = await live_workers(r, queues.keys, after_s) | {queues.consumer}
     removed = []
-    for key in queues.stream_of.values():
+    for _tier, key in queues.lanes:
         for c in await r.xinfo_consumers(key, group):
             name = _s(c["name"])
             if name not in live and int(c["pending"]) == 0 and int(c["idle"]) >= after_s * 1000:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from skyline import redisconn
 from skyline.config import SkylineConfig
 from skyline.fleet import list_workers
-from skyline.keys import Keys
+from skyline.keys import STAGES, Keys
 from skyline.slo_record import attainment, read_minutes
 
 
@@ -47,8 +47,9 @@ WAITING_COUNT_CAP = 1000
 async def read_streams(r, keys: Keys, tiers: tuple[str, ...]) -> list[StreamStatus]:
     """Length, pending, lag and consumers of every work stream, and the prefill backlog
     in tokens: one pipelined round trip (the gateway's /metrics and /dashboard call it
-    on every scrape/poll)."""
-    streams = keys.all_streams(tiers)
+    on every scrape/poll). A tier's retry lane (work returned to the queue) is counted
+    with its stream: one row per stage and tier."""
+    streams = [(stage, tier, key) for stage in STAGES for tier, key in keys.lanes(stage, tiers)]
     pipe = r.pipeline(transaction=False)
     for _stage, _tier, key in streams:
         pipe.xlen(key)
@@ -80,7 +81,17 @@ async def read_streams(r, keys: Keys, tiers: tuple[str, ...]) -> list[StreamStat
             pipe.xrange(st.key, f"({last}", "+", count=WAITING_COUNT_CAP)
         for (st, _), entries in zip(uncounted, await pipe.execute(raise_on_error=False)):
             st.waiting = len(entries) if isinstance(entries, list) else 0
-    return out
+    rows = {(st.stage, st.tier): st for st in out if st.key == keys.stream(st.stage, st.tier)}
+    for st in out:
+        row = rows[(st.stage, st.tier)]
+        if st is not row:  # the tier's retry lane
+            row.length += st.length
+            row.pending += st.pending
+            row.waiting += st.waiting
+            row.consumers = max(row.consumers, st.consumers)
+            if row.lag is not None and st.lag is not None:
+                row.lag += st.lag
+    return list(rows.values())
 
 
 ATTAINMENT_WINDOWS = (1, 5, 15)  # minutes shown by `skyline status`

@@ -13,18 +13,20 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from skyline import messages
-from skyline.keys import Keys
+from skyline.keys import STAGES, Keys
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.tiers import Tier
 
 
 @dataclass
 class Head:
-    """The oldest undelivered entry of one tier stream, seen without claiming it."""
+    """The next entry of one tier, seen without claiming it: the earlier-due of the
+    oldest undelivered entries of its stream and of its retry lane (`stream`)."""
 
     tier: str
     deadline_ms: int
     prompt_tokens: int
+    stream: str = ""
 
 
 @dataclass
@@ -46,28 +48,35 @@ async def ensure_groups(r: aioredis.Redis, keys: Keys, tiers: tuple[str, ...], s
     """Create the consumer groups (and streams) if missing. Idempotent; called at
     start-up and after a Redis restart, since a restarted Redis without
     persistence has neither."""
-    for st, _tier, key in keys.all_streams(tiers):
+    for st in STAGES:
         if stage and st != stage:
             continue
-        try:
-            await r.xgroup_create(key, Keys.group(st), id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for _tier, key in keys.lanes(st, tiers):
+            await _create_group(r, key, Keys.group(st))
+
+
+async def _create_group(r: aioredis.Redis, key: str, group: str) -> None:
+    try:
+        await r.xgroup_create(key, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 async def enqueue(
     r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
-    backlog_reserved: bool = False,
+    backlog_reserved: bool = False, retry: bool = False,
 ) -> str:
-    """XADD a request to its tier stream. Besides the msgpack body, a few plain
-    fields make `XRANGE` readable for an operator. `backlog_reserved`: admission
-    control already added the prompt to the backlog (see `reserve_backlog`)."""
+    """XADD a request to its tier stream (`retry`: to the tier's retry lane, for work
+    returned to the queue). Besides the msgpack body, a few plain fields make
+    `XRANGE` readable for an operator. `backlog_reserved`: admission control
+    already added the prompt to the backlog (see `reserve_backlog`)."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
     fields = entry_fields(msg)
     prefill_tokens = fields["prefill_tokens"]
+    key = keys.retry_stream(stage, req.tier) if retry else keys.stream(stage, req.tier)
     pipe = r.pipeline(transaction=False)
-    pipe.xadd(keys.stream(stage, req.tier), fields, maxlen=maxlen, approximate=True)
+    pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
     if prefill_tokens and not backlog_reserved:
         pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
     entry_id = (await pipe.execute())[0]
@@ -130,9 +139,12 @@ class TierQueues:
 
     `claim()` waits until some tier has an undelivered entry, picks the tier
     whose head has the earliest deadline (policy: `pick_tier`) and claims one
-    entry from it. Peeking uses plain XREAD from each group's last-delivered
-    id, which neither claims nor changes anything, so idle workers can watch
-    the queues without hoarding work another worker could start sooner.
+    entry from it. A tier's head is the earlier-due of its stream's and its
+    retry lane's (work returned to the queue with its original deadline), so a
+    preempted request comes back ahead of the ones that arrived after it.
+    Peeking uses plain XREAD from each group's last-delivered id, which neither
+    claims nor changes anything, so idle workers can watch the queues without
+    hoarding work another worker could start sooner.
     """
 
     def __init__(self, r: aioredis.Redis, keys: Keys, stage: str, tiers: tuple[Tier, ...], consumer: str):
@@ -143,15 +155,16 @@ class TierQueues:
         self.tiers = tiers
         self.tier_names = tuple(t.name for t in tiers)
         self.consumer = consumer
-        self.stream_of = {t.name: keys.stream(stage, t.name) for t in tiers}
-        self.tier_of = {v: k for k, v in self.stream_of.items()}
+        self.lanes = keys.lanes(stage, self.tier_names)  # (tier, key): every stream this stage reads
+        self.tier_of = {key: tier for tier, key in self.lanes}
+        self.retry_lanes = {keys.retry_stream(stage, t) for t in self.tier_names}
 
     async def _last_delivered(self) -> dict[str, str]:
         pipe = self.r.pipeline(transaction=False)
-        for key in self.stream_of.values():
+        for _tier, key in self.lanes:
             pipe.xinfo_groups(key)
         out: dict[str, str] = {}
-        for key, groups in zip(self.stream_of.values(), await pipe.execute(raise_on_error=False)):
+        for (_tier, key), groups in zip(self.lanes, await pipe.execute(raise_on_error=False)):
             if isinstance(groups, ResponseError):  # "no such key": Redis restarted without persistence
                 groups = []
             last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
@@ -161,16 +174,23 @@ class TierQueues:
         return out
 
     async def peek_heads(self, block_ms: int) -> dict[str, Head]:
-        """tier -> its oldest undelivered entry; waits up to `block_ms` for one
-        to appear when every tier is empty (0 = do not wait)."""
+        """tier -> its next entry; waits up to `block_ms` for one to appear when
+        every tier is empty (0 = do not wait)."""
         last = await self._last_delivered()
         resp = await self.r.xread(last, count=1, block=block_ms or None)
         heads: dict[str, Head] = {}
         for key, entries in resp or []:
             for _entry_id, fields in entries:
                 tier = self.tier_of[_s(key)]
-                heads[tier] = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]))
+                head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), _s(key))
+                seen = heads.get(tier)
+                if seen is None or self._due_first(head, seen):
+                    heads[tier] = head
         return heads
+
+    def _due_first(self, a: Head, b: Head) -> bool:
+        """Of one tier's two lanes, the earlier deadline; a tie goes to the retry lane (it arrived first)."""
+        return (a.deadline_ms, a.stream not in self.retry_lanes) < (b.deadline_ms, b.stream not in self.retry_lanes)
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None) -> Claimed | None:
         """Claim the next entry in EDF order (among `tiers` only, if given), or None if
@@ -179,7 +199,7 @@ class TierQueues:
         tier = pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
         if tier is None:
             return None
-        key = self.stream_of[tier]
+        key = heads[tier].stream
         resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
         for _key, entries in resp or []:
             for entry_id, fields in entries:

@@ -97,14 +97,14 @@ def test_scaled_objects_target_the_worker_deployments_with_streams_from_the_key_
         for t in stream_triggers:
             md = t["metadata"]
             assert md["consumerGroup"] == Keys.group(role)
-            assert md["stream"] in {keys.stream(role, tier) for tier in tiers}, md["stream"]
+            assert md["stream"] in {key for _tier, key in keys.lanes(role, tuple(tiers))}, md["stream"]
             assert t["authenticationRef"]["name"] in auths
             host, port = md["address"].rsplit(":", 1)
             assert host.split(".")[0] == "skyline-redis" and int(port) == 6379
             if "lagCount" in md:
                 lag_streams.add(md["stream"])
-        # Every tier's queue can scale its stage out: a forgotten tier would queue unseen.
-        assert lag_streams == {keys.stream(role, tier) for tier in tiers}
+        # Every tier's queue (and its retry lane) can scale its stage out: a forgotten one would queue unseen.
+        assert lag_streams == {key for _tier, key in keys.lanes(role, tuple(tiers))}
     for stage in STAGES:
         assert stage in WORKER_ROLES
 

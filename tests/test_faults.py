@@ -70,8 +70,8 @@ def holder(r: redis.Redis, keys: Keys, stage: str, timeout_s: float = 10.0) -> s
     """The consumer (worker id) holding the only pending entry of a stage."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for tier in ("interactive", "standard", "batch"):
-            for p in r.xpending_range(keys.stream(stage, tier), Keys.group(stage), "-", "+", 10):
+        for _tier, key in keys.lanes(stage, ("interactive", "standard", "batch")):
+            for p in r.xpending_range(key, Keys.group(stage), "-", "+", 10):
                 return p["consumer"].decode()
         time.sleep(0.02)
     raise TimeoutError(f"no pending {stage} entry")

@@ -173,6 +173,10 @@ async def test_queue_depth_counts_entries_nobody_claimed_yet(redis_url, key_pref
     await queues.ack(claimed)
     st = {(s.stage, s.tier): s for s in await read_streams(r, keys, cfg.tier_names)}[("prefill", "standard")]
     assert (st.length, st.waiting, st.pending, st.backlog_tokens) == (3, 2, 0, 20)  # acked entries stay in XLEN
+    # Work returned to the queue (its tier's retry lane) is waiting work of that tier.
+    await enqueue(r, keys, "prefill", claimed.message, 1000, retry=True)
+    st = {(s.stage, s.tier): s for s in await read_streams(r, keys, cfg.tier_names)}[("prefill", "standard")]
+    assert (st.length, st.waiting, st.pending, st.backlog_tokens) == (4, 3, 0, 30)
     await r.aclose()
 
 

@@ -49,8 +49,8 @@ def cluster_url(cluster):
 def test_keys_used_together_share_a_slot():
     keys = Keys("skyline")
     for stage in STAGES:
-        # One multi-key XREAD watches every tier stream of a stage.
-        assert len({key_slot(keys.stream(stage, t).encode()) for t in TIERS}) == 1
+        # One multi-key XREAD watches every tier stream of a stage, and their retry lanes.
+        assert len({key_slot(key.encode()) for _t, key in keys.lanes(stage, tuple(TIERS))}) == 1
     decode_slot = key_slot(keys.stream("decode", "standard").encode())
     if hasattr(keys, "run"):  # Lua scripts touch a request's run state with the decode stream
         assert key_slot(keys.run("r1").encode()) == key_slot(keys.output("r1").encode()) == decode_slot

@@ -192,6 +192,24 @@ def test_each_batch_change_moves_the_next_completion_as_the_step_times_say():
     assert a.latency_s == pytest.approx(t)
 
 
+def test_a_preempted_request_comes_back_ahead_of_its_tiers_newer_entries():
+    """The simulated stage queues mirror the live retry lanes (skyline/streams.py)."""
+    from skyline.simulate.queues import StageQueues
+
+    q = StageQueues("prefill", ("interactive", "standard", "batch"))
+    reqs = {}
+    for name, tier, deadline in (("std-a", "standard", 0.1), ("std-b", "standard", 0.2), ("std-c", "standard", 0.3),
+                                 ("inter", "interactive", 0.15)):
+        reqs[name] = SimRequest(len(reqs), "chat", tier, 0.0, 10, 1, 1e9, 1e9)
+        reqs[name].deadline = deadline
+        q.push(reqs[name], (reqs[name], name))
+    assert q.claim()[1] == "std-a"
+    q.push_retry(reqs["std-a"], (reqs["std-a"], "std-a"))  # preempted
+    assert q.head()[1] == "std-a" and q.claim(max_rank=0)[1] == "inter"  # a shield admits only interactive
+    assert [q.claim()[1] for _ in range(3)] == ["std-a", "std-b", "std-c"]
+    assert q.claim() is None and q.size == q.retry_size == 0
+
+
 def test_colocated_requests_prefill_on_the_decode_worker():
     sim = _fleet("colocated")
     req = SimRequest(0, "chat", "interactive", 0.0, 200, 4, 1e9, 1e9)

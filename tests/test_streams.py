@@ -65,6 +65,31 @@ async def test_claims_follow_earliest_deadline_across_tiers(r, key_prefix):
     assert order == ["batch-old", "inter", "std", "batch-new"]
 
 
+async def test_work_returned_to_the_queue_comes_back_before_what_arrived_after_it(r, key_prefix):
+    """A preempted request goes to its tier's retry lane with its original deadline: it is
+    claimed before the tier's newer entries, and EDF across tiers still sees its deadline."""
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "prefill")
+    for rid, deadline in (("std-a", 100), ("std-b", 200), ("std-c", 300)):
+        await enqueue(r, keys, "prefill", request(rid, "standard", deadline), 1000)
+    await enqueue(r, keys, "prefill", request("inter", "interactive", 150), 1000)
+    q = TierQueues(r, keys, "prefill", DEFAULT_TIERS, "w")
+    first = await q.claim(block_ms=10)
+    assert first.message.request_id == "std-a"
+    # Preempted: re-added with its deadline, the old entry acked (workers/runtime.py).
+    await enqueue(r, keys, "prefill", first.message, 1000, retry=True)
+    await q.ack(first)
+    heads = await q.peek_heads(block_ms=10)
+    assert heads["standard"].deadline_ms == 100 and heads["standard"].stream == keys.retry_stream("prefill", "standard")
+    order = []
+    while (c := await q.claim(block_ms=10)) is not None:
+        order.append(c.message.request_id)
+        assert c.tier == c.message.tier  # the retry lane's entries keep their tier (backlog accounting)
+        await q.ack(c)
+    assert order == ["std-a", "inter", "std-b", "std-c"]
+    assert await r.xlen(keys.retry_stream("prefill", "standard")) == 1
+
+
 async def test_idle_claim_waits_and_wakes_on_new_work(r, key_prefix):
     keys = Keys(key_prefix)
     await ensure_groups(r, keys, TIERS, "decode")

@@ -244,23 +244,25 @@ class WorkerRuntime:
         return asyncio.current_task() in self.cancel_requested
 
     async def _requeue_preempted(self, claimed: Claimed) -> None:
-        """Put a preempted request back with its original arrival and deadline, then ack
-        the old entry: EDF brings it back in turn; only its prefill is recomputed."""
+        """Put a preempted request back with its original arrival and deadline (on its tier's
+        retry lane, ahead of what arrived after it), then ack the old entry: EDF brings it
+        back in turn; only its prefill is recomputed."""
         req = _request_of(claimed.message)
         again_req = dataclasses.replace(req, preemptions=req.preemptions + 1)
         again = (dataclasses.replace(claimed.message, request=again_req)
                  if isinstance(claimed.message, messages.DecodeWork) else again_req)
-        await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen)
+        await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen, retry=True)
         self.timeline.emit(req.request_id, "requeued", stage=self.stage, tier=req.tier, reason="preempted")
         await self.queues.ack(claimed)
         self.counters["preempted"] += 1
 
     async def _hand_back(self, claimed: Claimed) -> None:
-        """Return a request this worker will not finish to its stream as a new entry.
+        """Return a request this worker will not finish to its tier's retry lane as a new entry.
         The same message: a decode takeover finds the tokens already sent in the
         request's output log and resumes from there."""
         msg = claimed.message
-        await enqueue(self.redis, self.keys, self.stage, msg, self.cfg.redis.stream_maxlen)  # type: ignore[arg-type]
+        await enqueue(self.redis, self.keys, self.stage, msg, self.cfg.redis.stream_maxlen,  # type: ignore[arg-type]
+                      retry=True)
         self.timeline.emit(_request_of(msg).request_id, "requeued", stage=self.stage, reason="drain")
         await self.queues.ack(claimed)
         self.counters["handed_back"] += 1

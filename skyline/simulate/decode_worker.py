@@ -170,7 +170,7 @@ class DecodeWorker:
             self.local_tokens -= h.req.prompt_tokens
             self.reserved -= h.req.prompt_tokens
             self._release_tpot(h.req)
-            self.sim.decode_q.push(h.req, (h.req, None))  # back on the stream, to be prefilled again
+            self.sim.decode_q.push_retry(h.req, (h.req, None))  # back on its retry lane, to be prefilled again
         return len(victims)
 
     def _kv_arrived(self, req) -> None:

@@ -129,9 +129,9 @@ class PrefillWorker:
             h.aborted = True
             self.held.remove(h)
             self.tokens_held -= h.req.prompt_tokens
-            # Re-queued with its original arrival and deadline; enqueue adds its tokens to the
+            # Re-queued on its retry lane with its original deadline; enqueue adds its tokens to the
             # backlog and the ack of the old entry removes them: no net change.
-            self.sim.prefill_q.push(h.req, (h.req, None))
+            self.sim.prefill_q.push_retry(h.req, (h.req, None))
         return len(victims)
 
 
