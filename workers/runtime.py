@@ -168,6 +168,8 @@ class WorkerRuntime:
             return False
         if self.engine.stats().kv_usage >= self.cfg.worker.kv_watermark:
             return False
+        if self.cfg.worker.tpot_headroom <= 0:
+            return True  # the pace rule is off
         tightest = min((_request_of(c.message).tpot_ms for _t, c in self.in_flight.values()), default=None)
         return tpot_room(self.pace.seconds_per_token(time.monotonic()), tightest, self.cfg.worker.tpot_headroom,
                          len(self.in_flight))
