@@ -169,6 +169,23 @@ def test_simulate_cli_replays_a_measured_trace_and_overlays_it(tmp_path, capsys)
     assert (out / "attainment_vs_rate.png").stat().st_size > 0
 
 
+def test_a_trace_recorded_with_its_engine_profile_replays_on_it(tmp_path):
+    """`skyline bench run --profile-engine` records the engine of that hour with the results; a replay of
+    the trace without --profile or --gpu uses it (and without one recorded, asks for a model)."""
+    import shutil
+
+    results = json.loads(MEASURED.read_text())
+    results["engine_profile"] = {"status": "ok", "file": "engine-profile.json"}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    shutil.copy(PROFILES / "cpu-2core-2026-12-01.json", tmp_path / "engine-profile.json")
+    argv = ["simulate", "--mode", "colocated", "--colocated-workers", "1", "--trace-system", "skyline-colocated"]
+    cli_main([*argv, "--trace", str(tmp_path / "results.json"), "--out", str(tmp_path / "sim")])
+    sim = json.loads((tmp_path / "sim" / "results.json").read_text())
+    assert sim["systems"]["sim-colocated"]["decode_model"]["name"] == "profile engine-profile.json"
+    with pytest.raises(SystemExit, match="exactly one performance model"):
+        cli_main([*argv, "--trace", str(MEASURED), "--out", str(tmp_path / "sim2")])
+
+
 def test_simulate_cli_search_finds_a_fleet(tmp_path):
     out = tmp_path / "search"
     cli_main(["simulate", "--gpu", "H100", "--model", "llama-3-8b", "--search", "--target-rate", "30",

@@ -63,6 +63,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skyline-config", help="TOML config file the Skyline systems' gateway and workers start with "
                    "(see deploy/skyline.toml; default: the built-in defaults)")
     p.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
+    p.add_argument("--profile-engine", action="store_true",
+                   help="after the systems, profile the engine as the colocated systems run it (every core, no KV "
+                        "connector) into <out>/engine-profile.json (~2 min): `skyline simulate --trace "
+                        "<out>/results.json` then replays the run on the engine of that hour")
 
 
 def preset(args: argparse.Namespace) -> dict:

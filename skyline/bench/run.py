@@ -21,10 +21,11 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tqdm import tqdm
@@ -33,7 +34,7 @@ from skyline.bench import driver, metrics, report
 from skyline.bench.options import parse_per_class, parse_range, preset
 from skyline.bench.prompts import PromptBuilder
 from skyline.bench.slo import SloTargets, derive_targets, explicit_targets
-from skyline.bench.systems import SYSTEMS, SystemSpec, start
+from skyline.bench.systems import SYSTEMS, SystemSpec, engine_cores, start
 from skyline.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
 
 NO_TARGET = (math.inf, math.inf)  # before targets are known (warm-up, probe): nothing to judge against
@@ -83,6 +84,7 @@ class Bench:
         if all(c in self.explicit_ttft and c in self.explicit_tpot for c in CLASSES):
             self.targets = explicit_targets(self.explicit_ttft, self.explicit_tpot)
         self._builders: dict[str, PromptBuilder] = {}
+        self.engine_profile: dict | None = None  # --profile-engine: the profile taken after the systems ran
 
     # -- workload -------------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class Bench:
                 bar.set_postfix_str(f"{spec.name} @ {rate:g} req/s")
                 reqs = make_requests(self.workload, builder, self.n_for(rate), rate)
                 running.check_alive()
-                progress = lambda _r: bar.update(1)  # noqa: E731
+                progress = lambda _r: bar.update(1)
                 recs, duration = asyncio.run(driver.run_rate(target, rate, reqs, self.drain_s, progress))
                 running.check_alive()  # a crash mid-run would otherwise look like a slow server
                 summary = metrics.summarize(recs, duration)
@@ -161,7 +163,7 @@ class Bench:
 
     def run(self) -> tuple[dict, list[Path]]:
         self.out.mkdir(parents=True, exist_ok=True)
-        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = datetime.now(UTC).isoformat(timespec="seconds")
         load_start = _loadavg()
         records: list[dict] = []
         runs: list[dict] = []
@@ -182,8 +184,30 @@ class Bench:
                 # Written after every system, so a long run stopped halfway keeps what it measured.
                 partial = self._results(started, load_start, systems, runs, probe, records, complete=False)
                 report.write(partial, self.out)
+        if getattr(self.args, "profile_engine", False) and not self.args.endpoint:
+            self.engine_profile = self.profile_engine()
         results = self._results(started, load_start, systems, runs, probe, records, complete=True)
         return results, report.write(results, self.out)
+
+    def profile_argv(self, path: Path) -> list[str]:
+        """`skyline profile` of the engine as the colocated systems run it: every core, no KV connector."""
+        return [sys.executable, "-m", "skyline.cli", "profile", "--cpu-bind", engine_cores(), "--no-kv-transfer",
+                "--out", str(path)]
+
+    def profile_engine(self) -> dict:
+        """Profile the engine right after the systems ran, on the same host: the simulator replays a run
+        within its calibration bounds only on a profile of the same hour (docs/simulator.md: one from
+        another day was 11-62% off on p50 TTFT, the machine's speed drifting by ~20%)."""
+        path, log = self.out / "engine-profile.json", self.out / "logs" / "engine-profile.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print("[engine-profile] profiling the engine (~2 min) ...", flush=True)
+        with log.open("w") as f:
+            rc = subprocess.run(self.profile_argv(path), stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        if rc != 0 or not path.exists():
+            print(f"[engine-profile] FAILED (exit {rc}): see {log}", flush=True)
+            return {"status": "failed", "log": str(log.relative_to(self.out))}
+        print(f"[engine-profile] written to {path}", flush=True)
+        return {"status": "ok", "file": path.name, "command": " ".join(["skyline", *self.profile_argv(path)[3:]])}
 
     def _results(self, started: str, load_start: str, systems: dict, runs: list, probe: list, records: list,
                  complete: bool) -> dict:
@@ -196,7 +220,7 @@ class Bench:
             "benchmark": "skyline bench run",
             "command": self.command,
             "complete": complete,
-            "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "started": started, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": load_start,
                         "loadavg_end": _loadavg()},
             "config": {"systems": [s.name for s in self.systems], "rates": self.rates, "duration_s": self.duration_s,
@@ -208,6 +232,7 @@ class Bench:
             "definitions": report.DEFINITIONS,
             "slo": self.targets.to_dict() if self.targets else {"ttft_ms": {}, "tpot_ms": {}, "source": "not measured"},
             "systems": systems, "goodput": goodput, "runs": runs, "probe": probe, "records": records,
+            **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
         })
 
 

@@ -56,6 +56,12 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def engine_cores() -> str:
+    """The cores a one-engine system (vLLM, Skyline colocated) binds its engine to: all of this process's."""
+    cores = _cores()
+    return f"{cores[0]}-{cores[-1]}"
+
+
 @dataclass
 class Running:
     """A started system: where to send requests, and what to stop afterwards."""
@@ -141,13 +147,12 @@ def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
     from skyline.model import DEFAULT_MODEL_NAME, resolve_model
 
     port = free_port()
-    cores = _cores()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
             "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", "float32", "--max-model-len", str(VLLM_MAX_MODEL_LEN),
             "--host", "127.0.0.1", "--port", str(port),
             # Eager mode starts in ~16 s instead of ~70 s and decodes as fast on CPU.
             "--enforce-eager", "--scheduling-policy", run.spec.scheduling]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": engine_cores()}
     _spawn(run, "server", argv, log_dir, env)
     run.url, run.model = f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME
     _wait(run, lambda: httpx.get(f"{run.url}/v1/models", timeout=2).status_code == 200, timeout_s)

@@ -103,9 +103,26 @@ def derive_targets(cfg, system, spec: WorkloadSpec, scale: float, lengths: str, 
                                   f"{system.name} (requests alone)", scale, unloaded)
 
 
+def trace_profile(trace: str) -> str | None:
+    """The engine profile a bench run recorded with its results (`skyline bench run --profile-engine`), if any."""
+    try:
+        results = json.loads(Path(trace).read_text())
+    except (OSError, ValueError):  # JSON lines of requests: not a bench results.json
+        return None
+    info = results.get("engine_profile") if isinstance(results, dict) else None
+    if not info or info.get("status") != "ok":
+        return None
+    path = Path(trace).parent / info["file"]
+    return str(path) if path.exists() else None
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> None:
     command = " ".join(shlex.quote(a) for a in ["skyline", *argv])
     p = _preset(args)
+    if args.trace and not args.profile and not args.gpu:
+        args.profile = trace_profile(args.trace)
+        if args.profile:
+            print(f"engine model: {args.profile}, profiled with the trace's run (skyline bench run --profile-engine)")
     prefill, decode, colocated = sysmod.perf_models(args)
     cfg = sysmod.fleet_config(args)
     systems = sysmod.systems(args, prefill, decode, colocated)

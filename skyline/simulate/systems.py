@@ -35,7 +35,8 @@ class SimSystem:
 def perf_models(args: argparse.Namespace) -> tuple[PerfModel, PerfModel, PerfModel]:
     """(prefill model, decode model, colocated model)."""
     if bool(args.profile) == bool(args.gpu):
-        raise SystemExit("give exactly one performance model: --profile FILE or --gpu NAME")
+        raise SystemExit("give exactly one performance model: --profile FILE or --gpu NAME (a --trace recorded with "
+                         "`skyline bench run --profile-engine` brings its own)")
     if args.profile:
         handoff_s = None if args.handoff_ms is None else args.handoff_ms / 1000
         slow = role_slowdowns(args.slowdown)
