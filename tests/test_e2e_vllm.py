@@ -91,6 +91,29 @@ def test_concurrent_requests_all_complete(client):
         assert list(pool.map(one, range(6))) == [16] * 6
 
 
+def test_workers_export_each_engine_step(fleet, client, redis_url):
+    """vLLM's per-step details reach the workers' /metrics: prefill steps on the prefill worker,
+    decode steps on the decode worker, each with a time (what `skyline profile` predicts)."""
+    import json
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    client.completions.create(model=MODEL, prompt="Name three rivers:", max_tokens=8, temperature=0)
+    out = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--redis-url", redis_url,
+                          "--key-prefix", "e2e-vllm", "--once", "--json"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    steps = {}
+    for w in json.loads(out.stdout)["workers"]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10).read().decode()
+        pattern = r'^skyline_worker_engine_step_seconds_(count|sum)\{kind="(\w+)"\} (\S+)$'
+        for what, kind, value in re.findall(pattern, text, re.MULTILINE):
+            steps[(w["role"], kind, what)] = float(value)
+    assert steps[("prefill", "prefill", "count")] >= 1 and steps[("prefill", "prefill", "sum")] > 0
+    assert steps[("decode", "decode", "count")] >= 7 and steps[("decode", "decode", "sum")] > 0
+
+
 PASSAGE = (
     "The river rose slowly through the spring, carrying silt from the mountains to the delta, where "
     "farmers had learned over centuries to read its moods and plant accordingly. "

@@ -9,7 +9,7 @@ The choice is always explicit in config/CLI; there is no silent fallback.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +52,17 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of KV cache in use, 0..1
 
 
+# What one engine step computed and how long it took: (prompt tokens, decode tokens, seconds).
+StepObserver = Callable[[int, int, float], None]
+
+
 class Engine(abc.ABC):
     """One model replica. All methods are called from the worker's event loop."""
 
     kind: str = "abstract"
+    # Called after each engine step by engines that can time their steps (vLLM); the worker's
+    # metrics set it. The step time the simulator's profile predicts, measured in the fleet.
+    on_step: StepObserver | None = None
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -149,6 +149,7 @@ class VllmEngine(Engine):
             scheduling_policy=self.scheduling_policy,
             kv_transfer_config=kv_cfg,
             disable_log_stats=False,  # scheduler stats feed stats()
+            enable_logging_iteration_details=True,  # each step's tokens and time feed on_step
             enforce_eager=(not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager,
         )
         if self.enable_chunked_prefill is not None:
@@ -165,6 +166,7 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._set_env()
+        _quiet_iteration_lines()
         t0 = time.monotonic()
         with self._engine_priority():
             self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
@@ -305,8 +307,12 @@ class VllmEngine(Engine):
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-                if scheduler_stats is not None:
-                    engine._sched = scheduler_stats
+                if scheduler_stats is None:
+                    return
+                engine._sched = scheduler_stats
+                step = getattr(scheduler_stats, "iteration_details", None)  # vLLM >= 0.32, when enabled
+                if step is not None and not step.is_dummy and engine.on_step is not None:
+                    engine.on_step(step.num_ctx_tokens, step.num_generation_tokens, step.elapsed_ms / 1000)
 
             def log_engine_initialized(self):
                 pass
@@ -371,6 +377,20 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy / torch scalars
         return value.item()
     return str(value)
+
+
+class _NoIterationLines(logging.Filter):
+    """Drops vLLM's per-step "Iteration(n): ..." INFO line: the step details are enabled for the
+    worker's metrics (several steps a second), not for the log; vLLM's periodic stats still log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("%sIteration(")
+
+
+def _quiet_iteration_lines() -> None:
+    target = logging.getLogger("vllm.v1.metrics.loggers")
+    if not any(isinstance(f, _NoIterationLines) for f in target.filters):
+        target.addFilter(_NoIterationLines())
 
 
 def _kv_bytes_per_token(llm: Any) -> int | None:
