@@ -76,17 +76,17 @@ class WorkerMetrics:
             "token per running sequence) or mixed; compare with the engine's profile (skyline profile)",
             ("kind",), buckets=_STEP_BUCKETS, registry=reg)
         self.engine_step_tokens = Counter(
-            "skyline_worker_engine_step_tokens", "Tokens computed in engine steps, prompt or decode",
-            ("kind",), registry=reg)
+            "skyline_worker_engine_step_tokens", "Tokens computed in engine steps, by step kind and token kind "
+            "(prompt, decode): with the step count, the mean step's shape", ("kind", "token"), registry=reg)
 
     def engine_stepped(self, prompt_tokens: int, decode_tokens: int, seconds: float) -> None:
         """The engine's `on_step`: one step's size and time."""
         kind = "mixed" if prompt_tokens and decode_tokens else ("prefill" if prompt_tokens else "decode")
         self.engine_step.labels(kind).observe(seconds)
         if prompt_tokens:
-            self.engine_step_tokens.labels("prompt").inc(prompt_tokens)
+            self.engine_step_tokens.labels(kind, "prompt").inc(prompt_tokens)
         if decode_tokens:
-            self.engine_step_tokens.labels("decode").inc(decode_tokens)
+            self.engine_step_tokens.labels(kind, "decode").inc(decode_tokens)
 
     def watch_timeline(self, timeline: Timeline) -> None:
         self.registry.register(TimelineErrors(lambda: timeline.errors))

@@ -28,14 +28,16 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import redis
 from tqdm import tqdm
 
-from skyline.bench import driver, metrics, report
+from skyline.bench import driver, engine_steps, metrics, report
 from skyline.bench.options import parse_per_class, parse_range, preset
 from skyline.bench.prompts import PromptBuilder
 from skyline.bench.slo import SloTargets, derive_targets, explicit_targets
 from skyline.bench.systems import SYSTEMS, SystemSpec, engine_cores, start
 from skyline.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
+from skyline.config import load_config
 
 NO_TARGET = (math.inf, math.inf)  # before targets are known (warm-up, probe): nothing to judge against
 
@@ -144,9 +146,23 @@ class Bench:
                 records.extend(r.to_dict() for r in recs)
                 bar.write(f"[{spec.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, "
                           f"{summary['rejected']} rejected, attainment {summary['attainment']:.0%}")
+            if running.redis_url:
+                self._engine_steps(spec, running, info, bar)
         finally:
             running.stop()
         return info
+
+    def _engine_steps(self, spec: SystemSpec, running, info: dict, bar: tqdm) -> None:
+        """The engine steps the system's workers ran (warm-up and probe included), kept with its results."""
+        key_prefix = load_config(self.skyline_config or None).key_prefix
+        try:
+            steps = engine_steps.scrape(running.redis_url, key_prefix)
+        except (OSError, ValueError, redis.RedisError) as exc:  # a missing figure must not lose the run
+            bar.write(f"[{spec.name}] engine steps not read: {exc}")
+            return
+        if steps:
+            info["engine_steps"] = steps
+            bar.write(f"[{spec.name}] engine steps: {engine_steps.describe(steps)}")
 
     def _warm_up(self, spec: SystemSpec, running, builder: PromptBuilder) -> None:
         """One RAG and (warmup - 1) chat requests, one at a time, not measured."""

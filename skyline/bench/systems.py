@@ -74,6 +74,7 @@ class Running:
     tmp: tempfile.TemporaryDirectory | None = None
     logs: list[Path] = field(default_factory=list)
     config: str = ""  # TOML file a Skyline system's processes start with ("" = defaults)
+    redis_url: str = ""  # a Skyline system's own Redis
 
     def stop(self) -> None:
         """Workers first (they drain and deregister), then the gateway/server, then Redis."""
@@ -166,7 +167,8 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     run.tmp = tempfile.TemporaryDirectory(prefix=f"skyline-bench-{spec.name}-")
     rport, gport = free_port(), free_port()
     run.redis = start_redis(rport, Path(run.tmp.name) / "redis")
-    common = ["--redis-url", f"redis://127.0.0.1:{rport}/0", "--engine", spec.engine]
+    run.redis_url = f"redis://127.0.0.1:{rport}/0"
+    common = ["--redis-url", run.redis_url, "--engine", spec.engine]
     if spec.engine == "vllm":
         common += ["--model", "default"]
     if run.config:
