@@ -44,6 +44,10 @@ def test_slowdown_and_handoff_overrides_scale_the_engine_not_the_transfer():
     assert slow.decode_step_s(4, 2000) == pytest.approx(2 * base.decode_step_s(4, 2000))
     assert slow.kv_transfer_s(0) == pytest.approx(0.3)
     assert slow.kv_transfer_s(500) - slow.kv_transfer_s(0) == pytest.approx(base.kv_transfer_s(500) - base.kv_transfer_s(0))
+    # A colocated engine's prompt chunks and decode tokens slow down by separate factors.
+    both = ProfileModel.load(PROFILE, slowdown=2.0, decode_slowdown=1.5)
+    assert both.prefill_step_s([(0, 256)]) == pytest.approx(2 * base.prefill_step_s([(0, 256)]))
+    assert both.decode_step_s(4, 2000) == pytest.approx(1.5 * base.decode_step_s(4, 2000))
     assert role_slowdowns("prefill=2.5,decode=1.3") == {"prefill": 2.5, "decode": 1.3}
     assert role_slowdowns("1.5") == {"prefill": 1.5, "decode": 1.5}
     assert role_slowdowns(None) == {"prefill": None, "decode": None}

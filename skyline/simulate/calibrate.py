@@ -73,7 +73,7 @@ def phases(results: dict, system: str, model: ProfileModel, rate: float | None =
     for i, o in enumerate(out):
         o["prefill_alone"], o["decode_alone"] = _solo(pre, i), _solo(dec, i)
         ctx = o["prompt_tokens"] + o["output_tokens"] // 2
-        o["profile_step_ms"] = 1000 * model.decode_step_s(1, ctx) / model.slowdown
+        o["profile_step_ms"] = 1000 * model.decode_step_s(1, ctx) / model.decode_slowdown
     solo_prefill = [(o["prefill"][1] - o["prefill"][0]) / o["profile_prefill_ms"] for o in out if o["prefill_alone"]]
     solo_decode = [o["decode_step_ms"] / o["profile_step_ms"] for o in out if o["decode_alone"]]
     handoffs = [o["handoff_ms"] for o in out if o["handoff_ms"] is not None]

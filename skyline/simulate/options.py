@@ -23,7 +23,8 @@ def add_simulate_parser(sub) -> None:
                                         "skyline/simulate/profiles/cpu-1core-nixl.json)")
     perf.add_argument("--slowdown",
                       help="with --profile: engine steps cost this multiple of the profiled time: one factor, or "
-                           "per role (prefill=2.6,decode=1.4); default the profile's own `slowdown`, else 1. "
+                           "per role (prefill=2.6,decode=1.4; a colocated engine: prompt chunks at the first, decode "
+                           "tokens at the second); default the profile's own `slowdown`, else 1. "
                            "`python -m skyline.simulate.calibrate` derives it from a measured run")
     perf.add_argument("--handoff-ms", type=float,
                       help="with --profile: fixed cost of a KV hand-off beyond the first decode step (default: "

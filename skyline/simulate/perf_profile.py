@@ -49,7 +49,9 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 class ProfileModel(PerfModel):
     def __init__(self, profile: dict, name: str = "profile", slowdown: float | None = None,
-                 handoff_s: float | None = None):
+                 handoff_s: float | None = None, decode_slowdown: float | None = None):
+        """`decode_slowdown` (default: `slowdown`) prices decode tokens apart from prompt chunks: a
+        colocated engine's steps carry both, and the fleet's host slows them by different factors."""
         if profile.get("kind") != "skyline-engine-profile":
             raise ValueError("not a Skyline engine profile (expected kind = skyline-engine-profile)")
         self.profile = profile
@@ -62,8 +64,9 @@ class ProfileModel(PerfModel):
         self.kv_latency_s = float(kv["latency_s"]) if handoff_s is None else handoff_s
         self.kv_bytes_per_s = float(kv["bytes_per_s"]) if kv.get("bytes_per_s") else None
         self.slowdown = float(profile.get("slowdown", {}).get("factor", 1.0)) if slowdown is None else slowdown
-        if self.slowdown <= 0:
-            raise ValueError(f"a slowdown must be positive, got {self.slowdown}")
+        self.decode_slowdown = self.slowdown if decode_slowdown is None else decode_slowdown
+        if self.slowdown <= 0 or self.decode_slowdown <= 0:
+            raise ValueError(f"a slowdown must be positive, got {self.slowdown} / {self.decode_slowdown}")
         single = sorted((p["tokens"], p["seconds"]) for p in profile["prefill"] if p["seqs"] == 1)
         if len(single) < 2:
             raise ValueError("a profile needs at least two single-prompt prefill points")
@@ -77,14 +80,16 @@ class ProfileModel(PerfModel):
             raise ValueError("a profile needs decode points")
         self._bx = sorted(by_batch)
         fits = [_fit_line([c for c, _ in by_batch[b]], [s for _, s in by_batch[b]]) for b in self._bx]
-        self._ba = [a * self.slowdown for a, _ in fits]
-        self._bb = [max(0.0, b) * self.slowdown for _, b in fits]
+        self._ba = [a * self.decode_slowdown for a, _ in fits]
+        self._bb = [max(0.0, b) * self.decode_slowdown for _, b in fits]
 
     @classmethod
-    def load(cls, path: str | Path, slowdown: float | None = None, handoff_s: float | None = None) -> ProfileModel:
+    def load(cls, path: str | Path, slowdown: float | None = None, handoff_s: float | None = None,
+             decode_slowdown: float | None = None) -> ProfileModel:
         """`slowdown` and `handoff_s` (the KV transfer's fixed cost) override the profile's own."""
         p = Path(path)
-        return cls(json.loads(p.read_text()), name=f"profile {p.name}", slowdown=slowdown, handoff_s=handoff_s)
+        return cls(json.loads(p.read_text()), name=f"profile {p.name}", slowdown=slowdown, handoff_s=handoff_s,
+                   decode_slowdown=decode_slowdown)
 
     def _f(self, tokens: float) -> float:
         return interp(self._px, self._py, tokens) if tokens > 0 else 0.0
@@ -128,4 +133,5 @@ class ProfileModel(PerfModel):
         return {**super().describe(), "measured": self.profile.get("measured"), "engine": e,
                 "prefill_fixed_ms": round(self.a0 * 1000, 1), "batch_error": self.batch_error(),
                 "kv_transfer_source": self.profile["kv_transfer"].get("source"),
-                "kv_transfer_latency_ms": round(self.kv_latency_s * 1000, 1), "slowdown": self.slowdown}
+                "kv_transfer_latency_ms": round(self.kv_latency_s * 1000, 1), "slowdown": self.slowdown,
+                "decode_slowdown": self.decode_slowdown}

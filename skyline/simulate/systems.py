@@ -41,13 +41,16 @@ def perf_models(args: argparse.Namespace) -> tuple[PerfModel, PerfModel, PerfMod
         handoff_s = None if args.handoff_ms is None else args.handoff_ms / 1000
         slow = role_slowdowns(args.slowdown)
         models = {}
-        for role in ("prefill", "decode"):
-            key = slow[role]
-            if key not in models:
-                models[key] = ProfileModel.load(args.profile, slowdown=key, handoff_s=handoff_s)
-                if args.step_tokens:
-                    models[key].max_step_tokens = args.step_tokens
-        return models[slow["prefill"]], models[slow["decode"]], models[slow["decode"]]
+        # Per role: a prefill engine's steps, a decode engine's; a colocated engine computes both in
+        # its steps, its prompt chunks at the prefill factor and its decode tokens at the decode one.
+        for key, (prompt_f, decode_f) in (("prefill", (slow["prefill"], slow["prefill"])),
+                                          ("decode", (slow["decode"], slow["decode"])),
+                                          ("colocated", (slow["prefill"], slow["decode"]))):
+            models[key] = ProfileModel.load(args.profile, slowdown=prompt_f, handoff_s=handoff_s,
+                                            decode_slowdown=decode_f)
+            if args.step_tokens:
+                models[key].max_step_tokens = args.step_tokens
+        return models["prefill"], models["decode"], models["colocated"]
     if args.slowdown is not None or args.handoff_ms is not None:
         raise SystemExit("--slowdown and --handoff-ms apply to a measured --profile, not to --gpu")
     step = args.step_tokens or GPU_STEP_TOKENS
@@ -57,7 +60,8 @@ def perf_models(args: argparse.Namespace) -> tuple[PerfModel, PerfModel, PerfMod
 
 def role_slowdowns(text: str | None) -> dict[str, float | None]:
     """`--slowdown`: one factor for every engine ("1.4") or per role ("prefill=2.6,decode=1.4"; a
-    colocated engine takes the decode factor); None = the profile's own."""
+    colocated engine prices prompt chunks at the prefill factor, decode tokens at the decode one);
+    None = the profile's own."""
     if not text:
         return {"prefill": None, "decode": None}
     if "=" not in text:
