@@ -37,7 +37,6 @@ from skyline.bench.prompts import PromptBuilder
 from skyline.bench.slo import SloTargets, derive_targets, explicit_targets
 from skyline.bench.systems import SYSTEMS, SystemSpec, engine_cores, start
 from skyline.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
-from skyline.config import load_config
 
 NO_TARGET = (math.inf, math.inf)  # before targets are known (warm-up, probe): nothing to judge against
 
@@ -154,9 +153,8 @@ class Bench:
 
     def _engine_steps(self, spec: SystemSpec, running, info: dict, bar: tqdm) -> None:
         """The engine steps the system's workers ran (warm-up and probe included), kept with its results."""
-        key_prefix = load_config(self.skyline_config or None).key_prefix
         try:
-            steps = engine_steps.scrape(running.redis_url, key_prefix)
+            steps = engine_steps.scrape(running.redis_url, running.key_prefix)
         except (OSError, ValueError, redis.RedisError) as exc:  # a missing figure must not lose the run
             bar.write(f"[{spec.name}] engine steps not read: {exc}")
             return

@@ -75,6 +75,7 @@ class Running:
     logs: list[Path] = field(default_factory=list)
     config: str = ""  # TOML file a Skyline system's processes start with ("" = defaults)
     redis_url: str = ""  # a Skyline system's own Redis
+    key_prefix: str = "skyline"  # ... and the prefix of its keys (from its config)
 
     def stop(self) -> None:
         """Workers first (they drain and deregister), then the gateway/server, then Redis."""
@@ -176,6 +177,7 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     cli = [sys.executable, "-m", "skyline.cli"]
     # Same pinning as `skyline up`: colocated = one worker on every core; disagg = prefill core 0, decode core 1.
     cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
+    run.key_prefix = cfg.key_prefix
     plan = plan_workers(cfg, 1, 1)
     for name, extra in plan:
         _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)
