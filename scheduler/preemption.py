@@ -41,9 +41,12 @@ class PreemptionPolicy:
     # 0 = unknown: every running prompt then delays the head by all of its remaining work.
     step_tokens: int = 0
     prefill_cap: int = 0
+    # Prompt tokens of a step that holds only looser-tier prompts (scheduler/step_budget.py); 0 = full steps.
+    background_tokens: int = 0
 
 
-def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, cap: int = 0) -> int:
+def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, cap: int = 0,
+                      in_progress: int = 0) -> int:
     """Prompt tokens the engine computes until a waiting prompt of `head_tokens` is done,
     behind running prompts with `ahead` tokens left, stepping as vLLM does: each step
     gives its `step_tokens` budget to the running prompts first, in order, then to the
@@ -51,12 +54,14 @@ def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, 
     cap for a request alone). Without a cap that is all of `ahead` plus the head; with
     one the head shares the steps (e.g. 128 + 128 of a 256-token step) after the step in
     progress, which the running prompts fill (counted as a whole one: measured on the CPU
-    engines, that wait plus two shared steps is what made chats late).
+    engines, that wait plus two shared steps is what made chats late). `in_progress`: the
+    prompt tokens of that step when it is shorter than `step_tokens` (a background step).
     """
     total = sum(ahead) + head_tokens
     if cap <= 0 or step_tokens <= 0 or not ahead:
         return total
-    left, computed = [n for n in ahead if n > 0], min(step_tokens, sum(ahead))
+    first = in_progress if 0 < in_progress < step_tokens else step_tokens
+    left, computed = [n for n in ahead if n > 0], min(first, sum(ahead))
     for _ in range(4096):  # enough for any real prompt; a degenerate cap falls back to the bound
         budget = step_tokens
         c = cap if left else step_tokens
@@ -93,10 +98,13 @@ def choose_victims(
     if not policy.enabled or not running or tokens_per_s <= 0:
         return []
     budget_tokens = (head.deadline_ms - now_ms) * tokens_per_s / 1000.0
+    # The step in progress holds every running prompt, victims included (an abort lands after it):
+    # a background step unless one of them is of the strictest tier.
+    in_progress = policy.background_tokens if all(r.tier_rank > 0 for r in running) else 0
 
     def fits(kept: list[Running]) -> bool:
         work = tokens_until_done([r.remaining_tokens for r in kept], head.prompt_tokens,
-                                 policy.step_tokens, policy.prefill_cap)
+                                 policy.step_tokens, policy.prefill_cap, in_progress)
         return work <= budget_tokens
 
     if fits(running):

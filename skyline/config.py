@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
 
 
@@ -54,6 +55,12 @@ class EngineConfig:
     # target by 5-50 ms); a longer prompt behind a long one is the preemption check's.
     # -1 = 7/8 of max_num_batched_tokens; 0 = off.
     long_prefill_token_threshold: int = -1
+    # Prompt tokens of a step while every prompt in the engine is of a looser tier than the
+    # strictest (plus one token per running decode): a strictest-tier request arriving then
+    # waits for a short step in progress, not a full one; with one of its prompts in the
+    # engine, steps are full again (scheduler/step_budget.py). -1 = half of
+    # max_num_batched_tokens; 0 = off (every step full).
+    background_step_tokens: int = -1
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
@@ -81,6 +88,10 @@ class EngineConfig:
     def prefill_cap(self) -> int:
         """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
         return prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+
+    def background_tokens(self) -> int:
+        """background_step_tokens resolved against the step (0 = off)."""
+        return background_tokens(self.background_step_tokens, self.max_num_batched_tokens)
 
 
 def prefill_cap(threshold: int, step_tokens: int) -> int:

@@ -91,16 +91,14 @@ def test_concurrent_requests_all_complete(client):
         assert list(pool.map(one, range(6))) == [16] * 6
 
 
-def test_workers_export_each_engine_step(fleet, client, redis_url):
-    """vLLM's per-step details reach the workers' /metrics: prefill steps on the prefill worker,
-    decode steps on the decode worker, each with a time (what `skyline profile` predicts)."""
+def _engine_steps(redis_url) -> dict[tuple[str, str, str], float]:
+    """(worker role, step kind, count|sum) -> value, from every worker's /metrics."""
     import json
     import re
     import subprocess
     import sys
     import urllib.request
 
-    client.completions.create(model=MODEL, prompt="Name three rivers:", max_tokens=8, temperature=0)
     out = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--redis-url", redis_url,
                           "--key-prefix", "e2e-vllm", "--once", "--json"], capture_output=True, text=True,
                          timeout=60, check=True)
@@ -110,8 +108,34 @@ def test_workers_export_each_engine_step(fleet, client, redis_url):
         pattern = r'^skyline_worker_engine_step_seconds_(count|sum)\{kind="(\w+)"\} (\S+)$'
         for what, kind, value in re.findall(pattern, text, re.MULTILINE):
             steps[(w["role"], kind, what)] = float(value)
+    return steps
+
+
+def test_workers_export_each_engine_step(fleet, client, redis_url):
+    """vLLM's per-step details reach the workers' /metrics: prefill steps on the prefill worker,
+    decode steps on the decode worker, each with a time (what `skyline profile` predicts)."""
+    client.completions.create(model=MODEL, prompt="Name three rivers:", max_tokens=8, temperature=0)
+    steps = _engine_steps(redis_url)
     assert steps[("prefill", "prefill", "count")] >= 1 and steps[("prefill", "prefill", "sum")] > 0
     assert steps[("decode", "decode", "count")] >= 7 and steps[("decode", "decode", "sum")] > 0
+
+
+def test_looser_tier_prompts_take_short_steps_and_strictest_tier_prompts_full_ones(client, redis_url):
+    """The default step shape (scheduler/step_budget.py, 256-token steps): a standard-tier prompt
+    alone in the prefill engine goes 128 tokens a step, an interactive one 256 (each prompt starts
+    with its own words, so neither reuses the other's cached blocks)."""
+    import math
+
+    def prefill_steps(tier: str, opening: str) -> tuple[int, float]:
+        before = _engine_steps(redis_url).get(("prefill", "prefill", "count"), 0.0)
+        r = client.completions.create(model=MODEL, prompt=opening + PASSAGE * 14, max_tokens=1, temperature=0,
+                                      extra_headers={"x-slo-tier": tier, "x-skyline-route": "disagg"})
+        return r.usage.prompt_tokens, _engine_steps(redis_url)[("prefill", "prefill", "count")] - before
+
+    tokens, steps = prefill_steps("standard", "Orchard notes. ")
+    assert tokens > 400 and steps >= math.ceil(tokens / 128)
+    tokens, steps = prefill_steps("interactive", "Harbour logs. ")
+    assert tokens > 400 and steps <= math.ceil(tokens / 256)
 
 
 PASSAGE = (

@@ -21,6 +21,8 @@ from tests.simmodels import HandModel
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
 PROFILES = ROOT / "skyline" / "simulate" / "profiles"
+# The measured runs below predate the background step (scheduler/step_budget.py): their engines stepped full.
+AS_MEASURED = with_overrides(load_config(None), background_step_tokens=0)
 
 
 def test_distserve_disaggregation_serves_several_times_more_per_gpu():
@@ -49,7 +51,7 @@ def test_calibration_against_the_measured_quick_run(system, profile):
     model = ProfileModel.load(PROFILES / profile)
     mode = "colocated" if "colocated" in system else "disagg"
     for rate, reqs in trace.items():
-        sim = Simulation(load_config(None), FleetSpec(mode, 1 if mode == "disagg" else 0, 1), model, model)
+        sim = Simulation(AS_MEASURED, FleetSpec(mode, 1 if mode == "disagg" else 0, 1), model, model)
         s = metrics.summarize(reqs, sim.run(reqs, 15.0))
         m = next(r["summary"] for r in measured["runs"] if r["system"] == system and r["rate"] == rate)
         assert abs(s["attainment"] - m["attainment"]) <= 0.10, (rate, s["attainment"], m["attainment"])
@@ -66,7 +68,7 @@ def test_calibration_against_a_colocated_sweep_with_a_profile_of_the_same_hour()
     model = ProfileModel.load(PROFILES / "cpu-2core-2026-12-01.json")
     ttft_errors = []
     for rate, reqs in trace.items():
-        sim = Simulation(load_config(None), FleetSpec("colocated", 0, 1), model, model)
+        sim = Simulation(AS_MEASURED, FleetSpec("colocated", 0, 1), model, model)
         s, m = metrics.summarize(reqs, sim.run(reqs, 120.0)), measured[rate]
         assert abs(s["attainment"] - m["attainment"]) <= 0.10, (rate, s["attainment"], m["attainment"])
         ttft_errors.append(abs(s["ttft_ms"]["p50"] / m["ttft_ms"]["p50"] - 1))
@@ -102,7 +104,8 @@ def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budg
     TTFT 0.242 s (re-claimed at once, the RAG prompt would fill the step: TTFT 0.468 s). Without: the RAG keeps its place and the chat rides its sixth step (220 + 30
     tokens, to 1.53 s), TTFT 1.23 s, past the interactive tier's 1 s."""
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=0)  # uncapped steps
+    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=0,  # uncapped,
+                         background_step_tokens=0)  # full steps
     for preemption, chat_ttft, preempted in ((True, 0.242, 1), (False, 1.23, 0)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
         chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
@@ -133,7 +136,7 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
     while the chat decodes its other 3 tokens (to 1.190 s), then whole steps: done at 2.306 s.
     """
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=128)
+    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=128, background_step_tokens=0)
     for chat_tokens, target_ms, chat_ttft, rag_ttft, preempted in ((30, 1e9, 0.370, 1.530, 0),
                                                                    (294, 600, 0.506, 2.306, 1)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
@@ -144,6 +147,26 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
         assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6)
         assert rag.ttft_s == pytest.approx(rag_ttft, abs=1e-6)
         assert sim.counters["preempted"] == preempted
+
+
+def test_background_steps_shorten_the_wait_of_a_strictest_tier_arrival():
+    """Hand-checked, the default step shape (scheduler/step_budget.py): 256-token steps, cap 224,
+    background steps of 128 tokens; prefill at 1,000 tokens/s, no fixed cost per step. A 1,500-token
+    batch prompt from 0 steps 128 tokens at a time (0.128 s); a 30-token interactive chat (no
+    preemption needed: loose target) arrives at 0.3 s, in the third step (to 0.384 s), then shares a
+    full step with the RAG prompt (224 + 30 tokens, 0.254 s): TTFT 0.338 s. With full steps it waits
+    for the second 256-token step (to 0.512 s), then 224 + 30: TTFT 0.466 s. Either way the RAG
+    prompt's 1,500 tokens take 1.530 s of engine time (short steps cost it only their fixed cost)."""
+    m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
+    for background, chat_ttft in ((-1, 0.338), (0, 0.466)):
+        cfg = with_overrides(load_config(None), admission=False, background_step_tokens=background)
+        rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
+        chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
+        sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+        sim.run([rag, chat], drain_s=60)
+        assert rag.outcome == chat.outcome == "ok" and sim.counters["preempted"] == 0
+        assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6)
+        assert rag.ttft_s == pytest.approx(1.530, abs=1e-6)
 
 
 def test_admission_control_sheds_what_cannot_meet_its_target():

@@ -75,11 +75,12 @@ class WorkerRuntime:
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
-        # The engine's step shape, for the preemption check. The per-request cap is vLLM's; the sim
-        # engine has none (it schedules waiting prompts by priority).
-        cap = cfg.engine.prefill_cap() if engine.kind == "vllm" else 0
+        # The engine's step shape, for the preemption check. The per-request cap and the background
+        # step are vLLM's; the sim engine has neither (it schedules waiting prompts by priority).
+        vllm = engine.kind == "vllm"
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions,
-                                           cfg.engine.max_num_batched_tokens, cap)
+                                           cfg.engine.max_num_batched_tokens, cfg.engine.prefill_cap() if vllm else 0,
+                                           cfg.engine.background_tokens() if vllm else 0)
         self.shield: Shield | None = None  # set by a preemption: claim only its tiers for a while
         self.tiers_by_rank = sorted(self.tier_rank, key=self.tier_rank.__getitem__)
         # The tasks (not request ids) being preempted or handed back: a preempted request can be

@@ -36,6 +36,7 @@ from collections import deque
 
 from skyline.scheduler.decode_room import tpot_room
 from skyline.scheduler.preemption import Shield
+from skyline.scheduler.step_budget import next_step
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 from skyline.simulate.prefill_worker import plan_chunks
@@ -333,11 +334,16 @@ class DecodeWorker:
         for req in self.joining:
             self._join(req)
         self.joining.clear()
-        budget = self.perf.max_step_tokens - self.B
+        step, cap = self.perf.max_step_tokens, self.sim.decode_cap
+        if self.sim.decode_background:
+            shape = next_step([h.req.priority for h in self.local], self.B, urgent_priority=self.sim.urgent_priority,
+                              step_tokens=step, prefill_cap=cap, background=self.sim.decode_background)
+            step, cap = shape.tokens, shape.prefill_cap
+        budget = step - self.B
         started = [h for h in self.local if h.done]
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
         held = len(self.local) + self.B
-        chunks, work = plan_chunks(started + waiting, budget, self.sim.decode_cap if held > 1 else 0)
+        chunks, work = plan_chunks(started + waiting, budget, cap if held > 1 else 0)
         if self.B:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from skyline.config import SkylineConfig, prefill_cap
+from skyline.scheduler.step_budget import background_tokens
 from skyline.gateway.admission import policy_of, pool_rate, stage_of
 from skyline.scheduler.admission import FleetLoad, TtftCalibration, admit
 from skyline.scheduler.disagg import DisaggPolicy, route
@@ -80,10 +81,15 @@ class Simulation:
         threshold = cfg.engine.long_prefill_token_threshold
         self.prefill_cap = prefill_cap(threshold, perf_prefill.max_step_tokens)
         self.decode_cap = prefill_cap(threshold, perf_decode.max_step_tokens)
+        # ... and its short steps while only looser-tier prompts compute (scheduler/step_budget.py).
+        self.prefill_background = background_tokens(cfg.engine.background_step_tokens, perf_prefill.max_step_tokens)
+        self.decode_background = background_tokens(cfg.engine.background_step_tokens, perf_decode.max_step_tokens)
+        self.urgent_priority = min(t.priority for t in cfg.tiers)
         w = cfg.worker
-        self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens, self.prefill_cap)
+        self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens,
+                                           self.prefill_cap, self.prefill_background)
         self.decode_preemption = replace(self.preemption, step_tokens=perf_decode.max_step_tokens,
-                                         prefill_cap=self.decode_cap)
+                                         prefill_cap=self.decode_cap, background_tokens=self.decode_background)
         self.loop = EventLoop()
         self.tiers = cfg.tiers
         order = tuple(t.name for t in sorted(cfg.tiers, key=lambda t: t.ttft_ms))
@@ -260,10 +266,13 @@ class Simulation:
 
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
                    max_running: int | None = None, min_remote_prefill_tokens: int | None = None,
-                   tpot_headroom: float | None = None, long_prefill_token_threshold: int | None = None) -> SkylineConfig:
+                   tpot_headroom: float | None = None, long_prefill_token_threshold: int | None = None,
+                   background_step_tokens: int | None = None) -> SkylineConfig:
     """The config the simulated fleet runs with, after command-line overrides."""
     if long_prefill_token_threshold is not None:
         cfg = replace(cfg, engine=replace(cfg.engine, long_prefill_token_threshold=long_prefill_token_threshold))
+    if background_step_tokens is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, background_step_tokens=background_step_tokens))
     if admission is not None:
         cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
     if min_remote_prefill_tokens is not None:

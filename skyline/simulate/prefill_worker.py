@@ -6,7 +6,8 @@ EDF head of the prefill stage. The engine (as vLLM with priority
 scheduling and chunked prefill) runs steps of at most `max_step_tokens`
 tokens: prompts it has started keep their share of the step first, then
 waiting prompts by priority, then claim order, each at most the engine's
-per-request cap (`long_prefill_token_threshold`) while it holds more than one. A finished prompt is timed
+per-request cap (`long_prefill_token_threshold`) while it holds more than one, and with Skyline's
+shorter steps while it holds only looser-tier prompts (`scheduler.step_budget`). A finished prompt is timed
 into the worker's `ThroughputMeter` (the live meter class), acked (its
 tokens leave the backlog) and handed to the decode stage.
 
@@ -17,6 +18,7 @@ it claims, and for the EDF head while it is full.
 from __future__ import annotations
 
 from skyline.scheduler.preemption import Shield
+from skyline.scheduler.step_budget import next_step
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 
@@ -86,7 +88,13 @@ class PrefillWorker:
         else:
             order = [h for h in self.held if h.done]
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
-        chunks, work = plan_chunks(order, budget, self.sim.prefill_cap if len(order) > 1 else 0)
+        cap = self.sim.prefill_cap
+        if self.sim.prefill_background:
+            shape = next_step([h.req.priority for h in order if h.done < h.req.prompt_tokens], 0,
+                              urgent_priority=self.sim.urgent_priority, step_tokens=budget, prefill_cap=cap,
+                              background=self.sim.prefill_background)
+            budget, cap = shape.tokens, shape.prefill_cap
+        chunks, work = plan_chunks(order, budget, cap if len(order) > 1 else 0)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
             dur *= self.sim.neighbour_slowdown

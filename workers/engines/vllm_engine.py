@@ -73,6 +73,8 @@ class VllmEngine(Engine):
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
         long_prefill_token_threshold: int = 0,
+        background_step_tokens: int = 0,
+        urgent_priority: int = 0,
         kv_lease_s: int = DEFAULT_KV_LEASE_S,
         kv_role: str = "kv_both",
         enforce_eager: bool | None = None,
@@ -91,6 +93,9 @@ class VllmEngine(Engine):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # Short steps while only looser-tier prompts compute (vllm_scheduler.py); 0 = vLLM's own scheduler.
+        self.background_step_tokens = background_step_tokens
+        self.urgent_priority = urgent_priority
         self.kv_lease_s = kv_lease_s
         # vLLM 0.32 logs kv_both as deprecated (kv_producer / kv_consumer per
         # role); kv_both lets one engine serve disagg decode AND colocated work.
@@ -158,6 +163,12 @@ class VllmEngine(Engine):
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.long_prefill_token_threshold > 0:
             kwargs["long_prefill_token_threshold"] = self.long_prefill_token_threshold
+        if self.background_step_tokens > 0 and self.scheduling_policy == "priority":
+            from skyline.workers.engines import vllm_scheduler
+
+            kwargs["scheduler_cls"] = vllm_scheduler.QUALNAME
+            kwargs["additional_config"] = {vllm_scheduler.CONFIG_KEY: {
+                "background_tokens": self.background_step_tokens, "urgent_priority": self.urgent_priority}}
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:

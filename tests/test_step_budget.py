@@ -1,0 +1,58 @@
+"""The engine's step shape (scheduler/step_budget.py) and what the preemption check makes of it."""
+
+from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims, tokens_until_done
+from skyline.scheduler.step_budget import StepShape, background_tokens, next_step
+
+ENGINE = dict(urgent_priority=0, step_tokens=256, prefill_cap=224, background=128)
+
+
+def test_background_setting_resolves_against_the_step():
+    assert background_tokens(-1, 256) == 128
+    assert background_tokens(0, 256) == 0
+    assert background_tokens(96, 256) == 96
+
+
+def test_only_looser_tier_prompts_get_a_short_step_with_room_for_every_decode():
+    # One RAG prompt (priority 1) beside 5 decodes: 128 prompt tokens + 5 decode tokens.
+    assert next_step([1], 5, **ENGINE) == StepShape(133, 128)
+    # Alone it gets the background budget too (vLLM lifts the cap for a request alone; the budget holds).
+    assert next_step([1], 0, **ENGINE) == StepShape(128, 128)
+    # Two background prompts share it, so whichever vLLM schedules first leaves the decodes their tokens.
+    assert next_step([2, 1], 3, **ENGINE) == StepShape(131, 64)
+    # Many decodes: never more than the engine's own budget.
+    assert next_step([1], 500, **ENGINE) == StepShape(256, 128)
+
+
+def test_a_strictest_tier_prompt_gets_the_full_step():
+    assert next_step([1, 0], 5, **ENGINE) == StepShape(256, 224)
+    assert next_step([0], 0, **ENGINE) == StepShape(256, 224)
+
+
+def test_full_step_without_prompts_or_when_off():
+    assert next_step([], 7, **ENGINE) == StepShape(256, 224)  # decodes only
+    assert next_step([1], 5, **{**ENGINE, "background": 0}) == StepShape(256, 224)
+    assert next_step([1], 5, **{**ENGINE, "background": 256}) == StepShape(256, 224)  # not shorter
+    # An engine without a cap of its own still caps each background prompt at its share.
+    assert next_step([1], 5, **{**ENGINE, "prefill_cap": 0}) == StepShape(133, 128)
+    # A share never exceeds the engine's own cap.
+    assert next_step([1], 5, **{**ENGINE, "prefill_cap": 100}) == StepShape(133, 100)
+
+
+def test_preemption_counts_a_background_step_in_progress_as_short():
+    # After a 128-token step in progress, a 74-token chat shares the next 256-token step.
+    assert tokens_until_done([1000], 74, 256, 128, in_progress=128) == 128 + 128 + 74
+    assert tokens_until_done([1000], 74, 256, 128, in_progress=0) == 256 + 128 + 74
+    # A 1,000 ms deadline at 400 tokens/s leaves 400 tokens: the full step in progress (256 + 128 + 74 = 458)
+    # does not fit, the background one (128 + 128 + 74 = 330) does.
+    rag = [Running("rag", 1, 60_000, 1500, 0)]
+    chat = Waiting(0, 1_000, 74)
+    full = PreemptionPolicy(step_tokens=256, prefill_cap=128)
+    assert choose_victims(full, rag, chat, 0, 400) == ["rag"]
+    assert choose_victims(PreemptionPolicy(step_tokens=256, prefill_cap=128, background_tokens=128),
+                          rag, chat, 0, 400) == []
+    # A strictest-tier prompt running makes the step in progress a full one again: with a 10-token
+    # chat in the engine beside the RAG prompt, 256 + 10 + 128 + 74 = 468 tokens > 400 (a background
+    # step would make it 340, which fits).
+    both = [Running("chat0", 0, 800, 10, 0), *rag]
+    policy = PreemptionPolicy(step_tokens=256, prefill_cap=128, background_tokens=128)
+    assert choose_victims(policy, both, chat, 0, 400) == ["rag"]

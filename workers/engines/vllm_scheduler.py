@@ -1,0 +1,72 @@
+"""vLLM's scheduler with Skyline's step shape (scheduler/step_budget.py) applied before each step.
+
+vLLM reads its step budget (`max_num_scheduled_tokens`) and per-request prompt
+cap (`long_prefill_token_threshold`) afresh at every `schedule()`, so this
+subclass sets both from `next_step` over the requests it holds and then
+schedules exactly as vLLM does: no copy of vLLM's scheduling code to drift
+from it. Loaded in the engine-core process by qualified name
+(`scheduler_cls`, set by VllmEngine), with its settings in vLLM's
+`additional_config["skyline_step"]`.
+
+vLLM picks `AsyncScheduler` when it runs with async scheduling (GPUs) and
+`Scheduler` otherwise (CPU); `make_scheduler` subclasses the one it would
+have picked, so setting a scheduler class does not turn async scheduling off.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from skyline.scheduler.step_budget import next_step
+
+CONFIG_KEY = "skyline_step"
+QUALNAME = f"{__name__}.make_scheduler"
+
+
+class _StepShaping:
+    """Mixed into a vLLM scheduler class: reshape each step before vLLM schedules it."""
+
+    def _init_step_shaping(self) -> None:
+        settings = (self.vllm_config.additional_config or {}).get(CONFIG_KEY, {})
+        self._urgent_priority = int(settings.get("urgent_priority", 0))
+        self._background = int(settings.get("background_tokens", 0))
+        self._full_tokens = self.max_num_scheduled_tokens
+        # Our own copy: the cap is rewritten every step and the config object is shared.
+        self.scheduler_config = copy.copy(self.scheduler_config)
+        self._full_cap = self.scheduler_config.long_prefill_token_threshold
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        prompts, decoding = [], 0
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                prompts.append(r.priority)
+            else:
+                decoding += 1
+        prompts.extend(r.priority for r in self.waiting)
+        shape = next_step(prompts, decoding, urgent_priority=self._urgent_priority, step_tokens=self._full_tokens,
+                          prefill_cap=self._full_cap, background=self._background)
+        self.max_num_scheduled_tokens = shape.tokens
+        self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
+        return super().schedule(*args, **kwargs)
+
+
+class StepShapingScheduler(_StepShaping, Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_step_shaping()
+
+
+class StepShapingAsyncScheduler(_StepShaping, AsyncScheduler):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_step_shaping()
+
+
+def make_scheduler(*args: Any, vllm_config: Any, **kwargs: Any):
+    """What vLLM calls as its scheduler class: the step-shaping variant of the class it would use."""
+    cls = StepShapingAsyncScheduler if vllm_config.scheduler_config.async_scheduling else StepShapingScheduler
+    return cls(*args, vllm_config=vllm_config, **kwargs)
