@@ -3,7 +3,7 @@
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims, tokens_until_done
 from skyline.scheduler.step_budget import StepShape, background_tokens, next_step
 
-ENGINE = dict(urgent_priority=0, step_tokens=256, prefill_cap=224, background=128)
+ENGINE = {"urgent_priority": 0, "step_tokens": 256, "prefill_cap": 224, "background": 128}
 
 
 def test_background_setting_resolves_against_the_step():

@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from skyline.config import SkylineConfig, prefill_cap
-from skyline.scheduler.step_budget import background_tokens
 from skyline.gateway.admission import policy_of, pool_rate, stage_of
 from skyline.scheduler.admission import FleetLoad, TtftCalibration, admit
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
+from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import resolve_slo
 from skyline.simulate.decode_worker import DecodeWorker
 from skyline.simulate.events import EventLoop

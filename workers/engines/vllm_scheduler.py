@@ -18,10 +18,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from skyline.scheduler.step_budget import next_step
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-
-from skyline.scheduler.step_budget import next_step
 
 CONFIG_KEY = "skyline_step"
 QUALNAME = f"{__name__}.make_scheduler"
