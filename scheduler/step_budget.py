@@ -1,4 +1,4 @@
-"""The shape of an engine's next step: short steps while only looser-tier prompts compute.
+"""The shape of an engine's next step, by tier: short steps for background prompts, none while urgent ones wait.
 
 An engine takes a new request, an abort or a priority change only between
 steps, so a request of the strictest tier arriving at a busy engine first waits
@@ -7,13 +7,24 @@ tokens: measured on the 2-core CPU engines, a step holding a 224-token chunk of
 a RAG prompt took 200-280 ms, half of a 574 ms chat TTFT target, before the
 chat's own step even began (BENCHMARKS.md, "The step cap at 7/8 of the step").
 
-So while every prompt in the engine belongs to a looser tier, a step carries
-at most `background_tokens` of prompt (shared between those prompts) plus one
-token for each running decode, which never waits for it; as soon as a prompt
-of the strictest tier is there, the engine steps its full budget again, so that
-prompt goes through in as few steps as it can. The price is paid by background
-prompts only: more, shorter steps, each with the step's fixed cost (~40 ms on
-the CPU engines, a few ms on a GPU).
+Two rules, one per situation:
+
+  - Background steps: while every prompt in the engine belongs to a looser tier,
+    a step carries at most `background` prompt tokens (shared between those
+    prompts) plus one token for each running decode, which never waits for
+    it. The price: more, shorter steps for background prompts, each with the
+    step's fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU).
+  - Holding: while a prompt of the strictest tier has tokens left, the looser
+    prompts the engine has started sit out (they keep their KV blocks and
+    their progress; nothing is recomputed) and the step carries only the
+    strictest tier's prompt tokens and the decodes. vLLM itself gives each
+    step to the requests it already runs before a newcomer, whatever their
+    priorities, so a chat behind a RAG prompt got the 32 tokens the RAG's
+    224-token chunk left (two or three full steps for a 60-token chat); and a
+    step longer than the chat's own tokens delays its first token, which comes
+    only at the end of the step. At most `max_held` steps in a row, then one
+    shared step: a flood of chats slows background prompts but cannot starve
+    them.
 
 Pure: the vLLM scheduler hook (workers/engines/vllm_scheduler.py) and the
 simulator both call `next_step`.
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 class StepShape:
     tokens: int  # the step's token budget (vLLM max_num_batched_tokens for this step)
     prefill_cap: int  # most prompt tokens one request may take in it (long_prefill_token_threshold; 0 = none)
+    hold_background: bool = False  # started looser-tier prompts sit this step out
 
 
 def background_tokens(setting: int, step_tokens: int) -> int:
@@ -38,24 +50,34 @@ def background_tokens(setting: int, step_tokens: int) -> int:
     return setting
 
 
-def next_step(prefill_priorities: Sequence[int], decoding: int, *, urgent_priority: int, step_tokens: int,
-              prefill_cap: int, background: int) -> StepShape:
-    """The budget and per-request prompt cap of the engine's next step.
+def next_step(prompts: Sequence[tuple[int, int]], decoding: int, *, urgent_priority: int, step_tokens: int,
+              prefill_cap: int, background: int, held: int = 0, max_held: int = 0) -> StepShape:
+    """The budget, per-request prompt cap and holding of the engine's next step.
 
-    `prefill_priorities`: the engine priority of every request with prompt tokens
-    left to compute (running chunks and waiting prompts); `decoding`: running
+    `prompts`: (engine priority, prompt tokens left) of every request with prompt
+    tokens to compute (running chunks and waiting prompts); `decoding`: running
     requests past their prompt (one token each); `urgent_priority`: the strictest
     tier's priority (lower is more urgent, as in vLLM); `step_tokens` and
-    `prefill_cap`: the engine's own budget and cap; `background`: prompt tokens
-    of a step that holds only looser-tier prompts (0 = always the full step).
+    `prefill_cap`: the engine's own budget and cap; `background`: prompt tokens of
+    a step that holds only looser-tier prompts (0 = full steps); `held`: steps in a
+    row that held looser prompts back so far; `max_held`: the most in a row (0 =
+    never hold).
     """
     full = StepShape(step_tokens, prefill_cap)
-    if background <= 0 or background >= step_tokens or not prefill_priorities:
+    if not prompts:
         return full
-    if min(prefill_priorities) <= urgent_priority:
+    urgent = [left for priority, left in prompts if priority <= urgent_priority]
+    if urgent:
+        if max_held <= 0 or held >= max_held or len(urgent) == len(prompts):
+            return full
+        # Only the strictest tier's prompts and the decodes: no leftover budget for a looser
+        # prompt waiting to start, whose tokens would only lengthen the step.
+        tokens = min(step_tokens, decoding + sum(urgent))
+        return StepShape(tokens, prefill_cap if len(urgent) > 1 else 0, hold_background=True)
+    if background <= 0 or background >= step_tokens:
         return full
     # Each background prompt gets an equal share, so that whatever the engine's order of
     # requests, the decodes' tokens are left in the budget.
-    share = max(1, background // len(prefill_priorities))
+    share = max(1, background // len(prompts))
     cap = min(share, prefill_cap) if prefill_cap > 0 else share
     return StepShape(min(step_tokens, background + decoding), cap)

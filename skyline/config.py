@@ -61,6 +61,10 @@ class EngineConfig:
     # engine, steps are full again (scheduler/step_budget.py). -1 = half of
     # max_num_batched_tokens; 0 = off (every step full).
     background_step_tokens: int = -1
+    # While a strictest-tier prompt has tokens left, looser-tier prompts the engine has started
+    # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row
+    # before sharing one; 0 = never (vLLM's order: running prompts first).
+    hold_background_steps: int = 16
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
 PROFILES = ROOT / "skyline" / "simulate" / "profiles"
 # The measured runs below predate the background step (scheduler/step_budget.py): their engines stepped full.
-AS_MEASURED = with_overrides(load_config(None), background_step_tokens=0)
+AS_MEASURED = with_overrides(load_config(None), background_step_tokens=0, hold_background_steps=0)
 
 
 def test_distserve_disaggregation_serves_several_times_more_per_gpu():
@@ -105,7 +105,7 @@ def test_colocated_worker_preempts_its_own_long_prompt_and_caps_them_at_the_budg
     tokens, to 1.53 s), TTFT 1.23 s, past the interactive tier's 1 s."""
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
     cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=0,  # uncapped,
-                         background_step_tokens=0)  # full steps
+                         background_step_tokens=0, hold_background_steps=0)  # full, shared steps
     for preemption, chat_ttft, preempted in ((True, 0.242, 1), (False, 1.23, 0)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
         chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
@@ -136,7 +136,8 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
     while the chat decodes its other 3 tokens (to 1.190 s), then whole steps: done at 2.306 s.
     """
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=128, background_step_tokens=0)
+    cfg = with_overrides(load_config(None), admission=False, long_prefill_token_threshold=128, background_step_tokens=0,
+                         hold_background_steps=0)
     for chat_tokens, target_ms, chat_ttft, rag_ttft, preempted in ((30, 1e9, 0.370, 1.530, 0),
                                                                    (294, 600, 0.506, 2.306, 1)):
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
@@ -149,24 +150,47 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
         assert sim.counters["preempted"] == preempted
 
 
-def test_background_steps_shorten_the_wait_of_a_strictest_tier_arrival():
-    """Hand-checked, the default step shape (scheduler/step_budget.py): 256-token steps, cap 224,
-    background steps of 128 tokens; prefill at 1,000 tokens/s, no fixed cost per step. A 1,500-token
-    batch prompt from 0 steps 128 tokens at a time (0.128 s); a 30-token interactive chat (no
-    preemption needed: loose target) arrives at 0.3 s, in the third step (to 0.384 s), then shares a
-    full step with the RAG prompt (224 + 30 tokens, 0.254 s): TTFT 0.338 s. With full steps it waits
-    for the second 256-token step (to 0.512 s), then 224 + 30: TTFT 0.466 s. Either way the RAG
-    prompt's 1,500 tokens take 1.530 s of engine time (short steps cost it only their fixed cost)."""
+def test_steps_by_tier_shorten_the_wait_of_a_strictest_tier_arrival():
+    """Hand-checked, the step shape by tier (scheduler/step_budget.py): 256-token steps, cap 224;
+    prefill at 1,000 tokens/s, no fixed cost per step. A 1,500-token batch prompt from 0; a 30-token
+    interactive chat (loose target: no preemption) arrives at 0.3 s.
+      - default (background steps of 128 tokens, holding): the RAG prompt steps 128 tokens at a time
+        (0.128 s); the chat waits for the third step (to 0.384 s), then steps alone while the RAG
+        prompt sits out (30 tokens, 0.030 s): TTFT 0.114 s;
+      - background steps, no holding: after 0.384 s the RAG prompt (running, scheduled first) takes
+        224 tokens and the chat the 30 left of the step (0.254 s): TTFT 0.338 s;
+      - neither: the chat waits for the second 256-token step (to 0.512 s), then 224 + 30: 0.466 s.
+    Every way the RAG prompt's 1,500 tokens take 1.530 s of engine time, the chat's included (short
+    steps cost it only their fixed cost, none here)."""
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
-    for background, chat_ttft in ((-1, 0.338), (0, 0.466)):
-        cfg = with_overrides(load_config(None), admission=False, background_step_tokens=background)
+    for background, hold, chat_ttft in ((-1, 16, 0.114), (-1, 0, 0.338), (0, 0, 0.466)):
+        cfg = with_overrides(load_config(None), admission=False, background_step_tokens=background,
+                             hold_background_steps=hold)
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
         chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
         sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
         sim.run([rag, chat], drain_s=60)
         assert rag.outcome == chat.outcome == "ok" and sim.counters["preempted"] == 0
-        assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6)
-        assert rag.ttft_s == pytest.approx(1.530, abs=1e-6)
+        assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6), (background, hold)
+        assert rag.ttft_s == pytest.approx(1.530, abs=1e-6), (background, hold)
+
+
+def test_holding_is_bounded_so_background_prompts_still_progress():
+    """A backlog of interactive 200-token chats (one every 0.1 s, twice what the engine computes) keeps
+    a strictest-tier prompt in the engine for 13 s. Holding at most 4 steps in a row, the 1,500-token
+    RAG prompt gets every fifth step and is done at 9.0 s; unbounded it waits out the backlog (13.5 s);
+    never held, it shares every step (1.9 s)."""
+    m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
+    done = {}
+    for hold in (4, 10_000, 0):
+        cfg = with_overrides(load_config(None), admission=False, preemption=False, hold_background_steps=hold)
+        rag = SimRequest(0, "rag", "batch", 0.0, 1500, 1, 1e9, 1e9)
+        chats = [SimRequest(1 + i, "chat", "interactive", 0.05 + 0.1 * i, 200, 1, 1e9, 1e9) for i in range(60)]
+        sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+        sim.run([rag, *chats], drain_s=60)
+        assert rag.outcome == "ok" and all(c.outcome == "ok" for c in chats)
+        done[hold] = rag.ttft_s
+    assert done[0] < 2.0 and done[4] < 10.0 and done[10_000] > 13.0, done
 
 
 def test_admission_control_sheds_what_cannot_meet_its_target():

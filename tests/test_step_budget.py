@@ -1,9 +1,9 @@
-"""The engine's step shape (scheduler/step_budget.py) and what the preemption check makes of it."""
+"""The engine's step shape by tier (scheduler/step_budget.py) and what the preemption check makes of it."""
 
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims, tokens_until_done
 from skyline.scheduler.step_budget import StepShape, background_tokens, next_step
 
-ENGINE = {"urgent_priority": 0, "step_tokens": 256, "prefill_cap": 224, "background": 128}
+ENGINE = {"urgent_priority": 0, "step_tokens": 256, "prefill_cap": 224, "background": 128, "max_held": 16}
 
 
 def test_background_setting_resolves_against_the_step():
@@ -13,29 +13,37 @@ def test_background_setting_resolves_against_the_step():
 
 
 def test_only_looser_tier_prompts_get_a_short_step_with_room_for_every_decode():
-    # One RAG prompt (priority 1) beside 5 decodes: 128 prompt tokens + 5 decode tokens.
-    assert next_step([1], 5, **ENGINE) == StepShape(133, 128)
+    # One RAG prompt (priority 1, 1,400 tokens left) beside 5 decodes: 128 prompt tokens + 5 decode tokens.
+    assert next_step([(1, 1400)], 5, **ENGINE) == StepShape(133, 128)
     # Alone it gets the background budget too (vLLM lifts the cap for a request alone; the budget holds).
-    assert next_step([1], 0, **ENGINE) == StepShape(128, 128)
+    assert next_step([(1, 1400)], 0, **ENGINE) == StepShape(128, 128)
     # Two background prompts share it, so whichever vLLM schedules first leaves the decodes their tokens.
-    assert next_step([2, 1], 3, **ENGINE) == StepShape(131, 64)
+    assert next_step([(2, 900), (1, 1400)], 3, **ENGINE) == StepShape(131, 64)
     # Many decodes: never more than the engine's own budget.
-    assert next_step([1], 500, **ENGINE) == StepShape(256, 128)
+    assert next_step([(1, 1400)], 500, **ENGINE) == StepShape(256, 128)
 
 
-def test_a_strictest_tier_prompt_gets_the_full_step():
-    assert next_step([1, 0], 5, **ENGINE) == StepShape(256, 224)
-    assert next_step([0], 0, **ENGINE) == StepShape(256, 224)
+def test_a_strictest_tier_prompt_steps_alone_with_the_decodes_while_looser_ones_are_held():
+    held = StepShape(5 + 60, 0, hold_background=True)
+    assert next_step([(1, 1400), (0, 60)], 5, **ENGINE) == held
+    # Several strictest-tier prompts: their tokens, each at most the engine's cap.
+    assert next_step([(1, 1400), (0, 60), (0, 300)], 5, **ENGINE) == StepShape(256, 224, hold_background=True)
+    # At the bound (16 held steps in a row) one full step shared with them; never held when off.
+    assert next_step([(1, 1400), (0, 60)], 5, **{**ENGINE, "held": 16}) == StepShape(256, 224)
+    assert next_step([(1, 1400), (0, 60)], 5, **{**ENGINE, "max_held": 0}) == StepShape(256, 224)
+    # Nothing to hold: a full step.
+    assert next_step([(0, 60)], 5, **ENGINE) == StepShape(256, 224)
+    assert next_step([(0, 60)], 0, **ENGINE) == StepShape(256, 224)
 
 
 def test_full_step_without_prompts_or_when_off():
     assert next_step([], 7, **ENGINE) == StepShape(256, 224)  # decodes only
-    assert next_step([1], 5, **{**ENGINE, "background": 0}) == StepShape(256, 224)
-    assert next_step([1], 5, **{**ENGINE, "background": 256}) == StepShape(256, 224)  # not shorter
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "background": 0}) == StepShape(256, 224)
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "background": 256}) == StepShape(256, 224)  # not shorter
     # An engine without a cap of its own still caps each background prompt at its share.
-    assert next_step([1], 5, **{**ENGINE, "prefill_cap": 0}) == StepShape(133, 128)
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 0}) == StepShape(133, 128)
     # A share never exceeds the engine's own cap.
-    assert next_step([1], 5, **{**ENGINE, "prefill_cap": 100}) == StepShape(133, 100)
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 100}) == StepShape(133, 100)
 
 
 def test_preemption_counts_a_background_step_in_progress_as_short():

@@ -36,10 +36,9 @@ from collections import deque
 
 from skyline.scheduler.decode_room import tpot_room
 from skyline.scheduler.preemption import Shield
-from skyline.scheduler.step_budget import next_step
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
-from skyline.simulate.prefill_worker import plan_chunks
+from skyline.simulate.prefill_worker import plan_chunks, shape_step
 
 PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
 
@@ -77,6 +76,7 @@ class DecodeWorker:
         self.reserved = 0  # KV tokens of claimed requests not yet in the batch
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
         self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
+        self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
         self.joining: list = []  # KV arrived while stepping: join at the next step
         self.stepping = False
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
@@ -335,15 +335,15 @@ class DecodeWorker:
             self._join(req)
         self.joining.clear()
         step, cap = self.perf.max_step_tokens, self.sim.decode_cap
-        if self.sim.decode_background:
-            shape = next_step([h.req.priority for h in self.local], self.B, urgent_priority=self.sim.urgent_priority,
-                              step_tokens=step, prefill_cap=cap, background=self.sim.decode_background)
-            step, cap = shape.tokens, shape.prefill_cap
-        budget = step - self.B
         started = [h for h in self.local if h.done]
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
-        held = len(self.local) + self.B
-        chunks, work = plan_chunks(started + waiting, budget, cap if held > 1 else 0)
+        order = started + waiting
+        if self.sim.decode_background or self.sim.max_held_steps:
+            order, step, cap, self.held_steps = shape_step(self.sim, order, self.B, step, cap,
+                                                           self.sim.decode_background, self.held_steps)
+        budget = step - self.B
+        held = len(order) + self.B
+        chunks, work = plan_chunks(order, budget, cap if held > 1 else 0)
         if self.B:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:

@@ -85,6 +85,7 @@ class Simulation:
         self.prefill_background = background_tokens(cfg.engine.background_step_tokens, perf_prefill.max_step_tokens)
         self.decode_background = background_tokens(cfg.engine.background_step_tokens, perf_decode.max_step_tokens)
         self.urgent_priority = min(t.priority for t in cfg.tiers)
+        self.max_held_steps = cfg.engine.hold_background_steps
         w = cfg.worker
         self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens,
                                            self.prefill_cap, self.prefill_background)
@@ -267,12 +268,14 @@ class Simulation:
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
                    max_running: int | None = None, min_remote_prefill_tokens: int | None = None,
                    tpot_headroom: float | None = None, long_prefill_token_threshold: int | None = None,
-                   background_step_tokens: int | None = None) -> SkylineConfig:
+                   background_step_tokens: int | None = None, hold_background_steps: int | None = None) -> SkylineConfig:
     """The config the simulated fleet runs with, after command-line overrides."""
     if long_prefill_token_threshold is not None:
         cfg = replace(cfg, engine=replace(cfg.engine, long_prefill_token_threshold=long_prefill_token_threshold))
     if background_step_tokens is not None:
         cfg = replace(cfg, engine=replace(cfg.engine, background_step_tokens=background_step_tokens))
+    if hold_background_steps is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, hold_background_steps=hold_background_steps))
     if admission is not None:
         cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
     if min_remote_prefill_tokens is not None:

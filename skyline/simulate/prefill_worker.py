@@ -7,7 +7,8 @@ scheduling and chunked prefill) runs steps of at most `max_step_tokens`
 tokens: prompts it has started keep their share of the step first, then
 waiting prompts by priority, then claim order, each at most the engine's
 per-request cap (`long_prefill_token_threshold`) while it holds more than one, and with Skyline's
-shorter steps while it holds only looser-tier prompts (`scheduler.step_budget`). A finished prompt is timed
+step shape by tier (`scheduler.step_budget`: shorter steps while it holds only looser-tier prompts,
+those held back while strictest-tier ones compute). A finished prompt is timed
 into the worker's `ThroughputMeter` (the live meter class), acked (its
 tokens leave the backlog) and handed to the decode stage.
 
@@ -40,6 +41,7 @@ class PrefillWorker:
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (refreshed at, tokens/s): the live worker reads its meter per heartbeat
         self._order = 0
+        self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
@@ -89,11 +91,9 @@ class PrefillWorker:
             order = [h for h in self.held if h.done]
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
         cap = self.sim.prefill_cap
-        if self.sim.prefill_background:
-            shape = next_step([h.req.priority for h in order if h.done < h.req.prompt_tokens], 0,
-                              urgent_priority=self.sim.urgent_priority, step_tokens=budget, prefill_cap=cap,
-                              background=self.sim.prefill_background)
-            budget, cap = shape.tokens, shape.prefill_cap
+        if self.sim.prefill_background or self.sim.max_held_steps:
+            order, budget, cap, self.held_steps = shape_step(self.sim, order, 0, budget, cap,
+                                                             self.sim.prefill_background, self.held_steps)
         chunks, work = plan_chunks(order, budget, cap if len(order) > 1 else 0)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
@@ -141,6 +141,23 @@ class PrefillWorker:
             # backlog and the ack of the old entry removes them: no net change.
             self.sim.prefill_q.push_retry(h.req, (h.req, None))
         return len(victims)
+
+
+def shape_step(sim, order: list, decoding: int, step_tokens: int, cap: int, background: int, held: int):
+    """The engine's step shape by tier (`scheduler.step_budget.next_step`, as the live vLLM scheduler hook):
+    the prompts that take part in the step (looser-tier ones sit out while it holds them back), its
+    budget and per-request cap, and the count of steps in a row that held prompts back."""
+    urgent = sim.urgent_priority
+    shape = next_step([(h.req.priority, h.req.prompt_tokens - h.done) for h in order], decoding,
+                      urgent_priority=urgent, step_tokens=step_tokens, prefill_cap=cap, background=background,
+                      held=held, max_held=sim.max_held_steps)
+    if shape.hold_background:
+        started_looser = any(h.done and h.req.priority > urgent for h in order)
+        order = [h for h in order if h.req.priority <= urgent]
+        held = held + 1 if started_looser else 0
+    else:
+        held = 0
+    return order, shape.tokens, shape.prefill_cap, held
 
 
 def plan_chunks(handles, budget: int, cap: int = 0) -> tuple[list[tuple[int, int]], list]:

@@ -74,6 +74,7 @@ class VllmEngine(Engine):
         max_num_batched_tokens: int | None = None,
         long_prefill_token_threshold: int = 0,
         background_step_tokens: int = 0,
+        hold_background_steps: int = 0,
         urgent_priority: int = 0,
         kv_lease_s: int = DEFAULT_KV_LEASE_S,
         kv_role: str = "kv_both",
@@ -93,8 +94,10 @@ class VllmEngine(Engine):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # Short steps while only looser-tier prompts compute (vllm_scheduler.py); 0 = vLLM's own scheduler.
+        # Steps shaped by tier (vllm_scheduler.py): short while only looser-tier prompts compute, and
+        # those held back while strictest-tier prompts compute. Both 0 = vLLM's own scheduler.
         self.background_step_tokens = background_step_tokens
+        self.hold_background_steps = hold_background_steps
         self.urgent_priority = urgent_priority
         self.kv_lease_s = kv_lease_s
         # vLLM 0.32 logs kv_both as deprecated (kv_producer / kv_consumer per
@@ -163,12 +166,13 @@ class VllmEngine(Engine):
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.long_prefill_token_threshold > 0:
             kwargs["long_prefill_token_threshold"] = self.long_prefill_token_threshold
-        if self.background_step_tokens > 0 and self.scheduling_policy == "priority":
+        if (self.background_step_tokens > 0 or self.hold_background_steps > 0) and self.scheduling_policy == "priority":
             from skyline.workers.engines import vllm_scheduler
 
             kwargs["scheduler_cls"] = vllm_scheduler.QUALNAME
             kwargs["additional_config"] = {vllm_scheduler.CONFIG_KEY: {
-                "background_tokens": self.background_step_tokens, "urgent_priority": self.urgent_priority}}
+                "background_tokens": self.background_step_tokens, "max_held_steps": self.hold_background_steps,
+                "urgent_priority": self.urgent_priority}}
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:

@@ -2,9 +2,12 @@
 
 vLLM reads its step budget (`max_num_scheduled_tokens`) and per-request prompt
 cap (`long_prefill_token_threshold`) afresh at every `schedule()`, so this
-subclass sets both from `next_step` over the requests it holds and then
-schedules exactly as vLLM does: no copy of vLLM's scheduling code to drift
-from it. Loaded in the engine-core process by qualified name
+subclass sets both from `next_step` over the requests it holds, takes the
+looser-tier prompts it holds back out of the running list for that one call,
+and otherwise schedules exactly as vLLM does: no copy of vLLM's scheduling
+code to drift from it. While held, a prompt cannot be chosen by vLLM's own
+preemption for KV space (that step only); the decode worker's KV watermark
+keeps the engine away from that point. Loaded in the engine-core process by qualified name
 (`scheduler_cls`, set by VllmEngine), with its settings in vLLM's
 `additional_config["skyline_step"]`.
 
@@ -33,6 +36,8 @@ class _StepShaping:
         settings = (self.vllm_config.additional_config or {}).get(CONFIG_KEY, {})
         self._urgent_priority = int(settings.get("urgent_priority", 0))
         self._background = int(settings.get("background_tokens", 0))
+        self._max_held = int(settings.get("max_held_steps", 0))
+        self._held = 0  # steps in a row that held looser-tier prompts back
         self._full_tokens = self.max_num_scheduled_tokens
         # Our own copy: the cap is rewritten every step and the config object is shared.
         self.scheduler_config = copy.copy(self.scheduler_config)
@@ -41,16 +46,32 @@ class _StepShaping:
     def schedule(self, *args: Any, **kwargs: Any):
         prompts, decoding = [], 0
         for r in self.running:
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                prompts.append(r.priority)
+            left = r.num_prompt_tokens - r.num_computed_tokens
+            if left > 0:
+                prompts.append((r.priority, left))
             else:
                 decoding += 1
-        prompts.extend(r.priority for r in self.waiting)
+        prompts.extend((r.priority, r.num_prompt_tokens) for r in self.waiting)
         shape = next_step(prompts, decoding, urgent_priority=self._urgent_priority, step_tokens=self._full_tokens,
-                          prefill_cap=self._full_cap, background=self._background)
+                          prefill_cap=self._full_cap, background=self._background, held=self._held,
+                          max_held=self._max_held)
         self.max_num_scheduled_tokens = shape.tokens
         self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
-        return super().schedule(*args, **kwargs)
+        held = []
+        if shape.hold_background:
+            # Out of the running list for this one schedule(): vLLM then neither gives them tokens
+            # nor sees them as running; they keep their blocks and their place (put back in front).
+            held = [r for r in self.running
+                    if r.priority > self._urgent_priority and r.num_computed_tokens < r.num_prompt_tokens]
+            if held:
+                ids = {id(r) for r in held}
+                self.running = [r for r in self.running if id(r) not in ids]
+        self._held = self._held + 1 if held else 0
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            if held:
+                self.running[:0] = held
 
 
 class StepShapingScheduler(_StepShaping, Scheduler):
