@@ -43,6 +43,10 @@ class PreemptionPolicy:
     prefill_cap: int = 0
     # Prompt tokens of a step that holds only looser-tier prompts (scheduler/step_budget.py); 0 = full steps.
     background_tokens: int = 0
+    # The engine holds looser-tier prompts back while a strictest-tier prompt computes
+    # (scheduler/step_budget.py): in the engine, such a request waits only for the step in
+    # progress, which no abort shortens, so aborting for it buys nothing but a recompute.
+    holds_background: bool = False
 
 
 def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, cap: int = 0,
@@ -80,7 +84,8 @@ def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, 
 
 
 def choose_victims(
-    policy: PreemptionPolicy, running: list[Running], head: Waiting, now_ms: int, tokens_per_s: float
+    policy: PreemptionPolicy, running: list[Running], head: Waiting, now_ms: int, tokens_per_s: float,
+    head_claimed: bool = True,
 ) -> list[str]:
     """The requests to abort so that `head` can meet its deadline, least urgent first.
 
@@ -94,8 +99,15 @@ def choose_victims(
     remaining work: the least sunk cost) until what is left fits before the
     deadline. Requests of `head`'s tier or stricter, and requests that have
     used up their preemptions, are never chosen.
+
+    `head_claimed`: the worker has taken `head` and gives it to its engine now; False
+    when it is still queued because the worker is full, where only an abort makes
+    room for it. A claimed strictest-tier head on an engine that holds looser
+    prompts back for it (`holds_background`) needs no victims.
     """
     if not policy.enabled or not running or tokens_per_s <= 0:
+        return []
+    if policy.holds_background and head_claimed and head.tier_rank == 0:
         return []
     budget_tokens = (head.deadline_ms - now_ms) * tokens_per_s / 1000.0
     # The step in progress holds every running prompt, victims included (an abort lands after it):

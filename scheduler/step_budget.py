@@ -68,7 +68,11 @@ def next_step(prompts: Sequence[tuple[int, int]], decoding: int, *, urgent_prior
         return full
     urgent = [left for priority, left in prompts if priority <= urgent_priority]
     if urgent:
-        if max_held <= 0 or held >= max_held or len(urgent) == len(prompts):
+        if len(urgent) == len(prompts) and max_held > 0:
+            # Only strictest-tier prompts: vLLM's cap (there so a newcomer can share the step with a
+            # long running prompt) would only split a lone one over two steps beside the decodes.
+            return StepShape(step_tokens, prefill_cap if len(urgent) > 1 else 0)
+        if max_held <= 0 or held >= max_held:
             return full
         # Only the strictest tier's prompts and the decodes: no leftover budget for a looser
         # prompt waiting to start, whose tokens would only lengthen the step.

@@ -31,9 +31,11 @@ def test_a_strictest_tier_prompt_steps_alone_with_the_decodes_while_looser_ones_
     # At the bound (16 held steps in a row) one full step shared with them; never held when off.
     assert next_step([(1, 1400), (0, 60)], 5, **{**ENGINE, "held": 16}) == StepShape(256, 224)
     assert next_step([(1, 1400), (0, 60)], 5, **{**ENGINE, "max_held": 0}) == StepShape(256, 224)
-    # Nothing to hold: a full step.
-    assert next_step([(0, 60)], 5, **ENGINE) == StepShape(256, 224)
-    assert next_step([(0, 60)], 0, **ENGINE) == StepShape(256, 224)
+    # Nothing to hold: a full step, without the cap for a lone strictest-tier prompt (a 250-token chat
+    # beside 5 decodes in one step, not 224 + 26), with it for several (a newcomer shares the step).
+    assert next_step([(0, 250)], 5, **ENGINE) == StepShape(256, 0)
+    assert next_step([(0, 250), (0, 60)], 5, **ENGINE) == StepShape(256, 224)
+    assert next_step([(0, 250)], 5, **{**ENGINE, "max_held": 0}) == StepShape(256, 224)  # vLLM's own way
 
 
 def test_full_step_without_prompts_or_when_off():
@@ -64,3 +66,17 @@ def test_preemption_counts_a_background_step_in_progress_as_short():
     both = [Running("chat0", 0, 800, 10, 0), *rag]
     policy = PreemptionPolicy(step_tokens=256, prefill_cap=128, background_tokens=128)
     assert choose_victims(policy, both, chat, 0, 400) == ["rag"]
+
+
+def test_no_victims_for_a_claimed_strictest_tier_request_on_an_engine_that_holds():
+    """Holding, the engine gives a claimed chat every step after the one in progress: aborting the
+    RAG prompt would only cost its recompute. A chat still queued because the worker is full needs
+    the room an abort makes."""
+    rag = [Running("rag", 1, 60_000, 1500, 0)]
+    chat = Waiting(0, 1_000, 74)
+    holds = PreemptionPolicy(step_tokens=256, prefill_cap=224, background_tokens=128, holds_background=True)
+    assert choose_victims(holds, rag, chat, 0, 400) == []
+    assert choose_victims(holds, rag, chat, 0, 400, head_claimed=False) == ["rag"]
+    # A looser-tier head is not held for: the usual check.
+    batch_rag = [Running("rag", 2, 60_000, 1500, 0)]
+    assert choose_victims(holds, batch_rag, Waiting(1, 1_000, 74), 0, 400) == ["rag"]

@@ -80,7 +80,8 @@ class WorkerRuntime:
         vllm = engine.kind == "vllm"
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions,
                                            cfg.engine.max_num_batched_tokens, cfg.engine.prefill_cap() if vllm else 0,
-                                           cfg.engine.background_tokens() if vllm else 0)
+                                           cfg.engine.background_tokens() if vllm else 0,
+                                           vllm and cfg.engine.hold_background_steps > 0)
         self.shield: Shield | None = None  # set by a preemption: claim only its tiers for a while
         self.tiers_by_rank = sorted(self.tier_rank, key=self.tier_rank.__getitem__)
         # The tasks (not request ids) being preempted or handed back: a preempted request can be
@@ -190,9 +191,9 @@ class WorkerRuntime:
         if not heads:
             return
         head = min(heads.values(), key=lambda h: (h.deadline_ms, self.tier_rank.get(h.tier, 99)))
-        await self._preempt_for(head.tier, head.deadline_ms, head.prompt_tokens)
+        await self._preempt_for(head.tier, head.deadline_ms, head.prompt_tokens, claimed=False)
 
-    async def _preempt_for(self, tier: str, deadline_ms: int, prompt_tokens: int) -> None:
+    async def _preempt_for(self, tier: str, deadline_ms: int, prompt_tokens: int, claimed: bool = True) -> None:
         """Abort the prompts in the way of a request of `tier` if it would miss its deadline.
 
         Called for the head of the streams while the worker is full, and for each
@@ -201,7 +202,7 @@ class WorkerRuntime:
         running = [Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids),
                            req.preemptions) for rid, req in self._computing()]
         waiting = Waiting(self.tier_rank.get(tier, 99), deadline_ms, prompt_tokens)
-        victims = choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s())
+        victims = choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s(), claimed)
         if victims:
             self.shield = Shield(waiting.tier_rank, deadline_ms).merged(self.shield)
         for victim in victims:

@@ -88,7 +88,7 @@ class Simulation:
         self.max_held_steps = cfg.engine.hold_background_steps
         w = cfg.worker
         self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens,
-                                           self.prefill_cap, self.prefill_background)
+                                           self.prefill_cap, self.prefill_background, self.max_held_steps > 0)
         self.decode_preemption = replace(self.preemption, step_tokens=perf_decode.max_step_tokens,
                                          prefill_cap=self.decode_cap, background_tokens=self.decode_background)
         self.loop = EventLoop()
@@ -239,7 +239,7 @@ class Simulation:
                 held = w.held if pool is self.prefill_workers else w.local
                 if held and not w.has_room() and any(h.req.rank > head_rank for h in held):
                     head = q.head()  # an earlier worker's preemption may have changed it
-                    if head is not None and w.preempt(head[0]):
+                    if head is not None and w.preempt(head[0], claimed=False):
                         w.claim_while_room()
         if self.prefill_q.size or self.decode_q.size:
             self._preempt_armed = True

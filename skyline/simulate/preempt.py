@@ -26,7 +26,7 @@ def measured_rate(worker) -> float:
     return rate or sim.worker_cfg.prior_prefill_tokens_per_s
 
 
-def victims_for(worker, held: list, head) -> list:
+def victims_for(worker, held: list, head, claimed: bool = True) -> list:
     """The handles in `held` (each with `.req` and a unique `.order`) to abort so that request
     `head` can meet its deadline; each victim's request is counted as preempted once more."""
     sim = worker.sim
@@ -38,7 +38,8 @@ def victims_for(worker, held: list, head) -> list:
     running = [Running(str(h.order), h.req.rank, int(h.req.deadline * 1000), h.req.prompt_tokens, h.req.preemptions)
                for h in held]
     waiting = Waiting(head.rank, int(head.deadline * 1000), head.prompt_tokens)
-    chosen = set(choose_victims(worker.preemption, running, waiting, int(sim.loop.now * 1000), measured_rate(worker)))
+    chosen = set(choose_victims(worker.preemption, running, waiting, int(sim.loop.now * 1000), measured_rate(worker),
+                                claimed))
     victims = [h for h in held if str(h.order) in chosen]
     for h in victims:
         h.req.preemptions += 1

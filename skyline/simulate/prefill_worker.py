@@ -128,9 +128,10 @@ class PrefillWorker:
 
     # -- fleet-level preemption ---------------------------------------------------------------
 
-    def preempt(self, head) -> int:
-        """Abort the prompts that keep request `head` from its deadline (requeued); how many."""
-        victims = victims_for(self, self.held, head)
+    def preempt(self, head, claimed: bool = True) -> int:
+        """Abort the prompts that keep request `head` from its deadline (requeued); how many.
+        `claimed`: this worker just took `head` (False: still queued, the worker full)."""
+        victims = victims_for(self, self.held, head, claimed)
         if victims:
             self.shield = Shield(head.rank, int(head.deadline * 1000)).merged(self.shield)
         for h in victims:
