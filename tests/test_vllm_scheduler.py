@@ -1,0 +1,70 @@
+"""The vLLM scheduler hook (workers/engines/vllm_scheduler.py) around a stand-in for vLLM's schedule().
+
+What it hands vLLM each step: the budget, the per-request cap and the running list without the
+prompts it holds back; and what it restores afterwards. vLLM's own scheduling is not re-tested here
+(tests/test_e2e_vllm.py runs the hook in real engines).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+
+
+class _VllmStandIn:
+    """Records what schedule() saw, as vLLM's Scheduler would read it."""
+
+    def schedule(self):
+        self.seen = (list(self.running), self.max_num_scheduled_tokens,
+                     self.scheduler_config.long_prefill_token_threshold)
+        self.running.append(SimpleNamespace(name="admitted-now", priority=0, num_prompt_tokens=9,
+                                            num_computed_tokens=0))  # vLLM may change the list meanwhile
+        return "scheduler output"
+
+
+class _Shaped(vllm_scheduler._StepShaping, _VllmStandIn):
+    def __init__(self, max_held: int = 16):
+        self.vllm_config = SimpleNamespace(additional_config={vllm_scheduler.CONFIG_KEY: {
+            "background_tokens": 128, "max_held_steps": max_held, "urgent_priority": 0}})
+        self.max_num_scheduled_tokens = 256
+        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=224)
+        self._init_step_shaping()
+
+
+def _req(name, priority, prompt, computed):
+    return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed)
+
+
+def test_a_waiting_chat_steps_with_the_decodes_while_the_started_rag_prompt_sits_out():
+    s = _Shaped()
+    rag, decoding = _req("rag", 1, 1500, 384), _req("decoding", 0, 80, 95)
+    s.running, s.waiting = [rag, decoding], [_req("chat", 0, 60, 0)]
+    assert s.schedule() == "scheduler output"
+    running_seen, budget, cap = s.seen
+    assert [r.name for r in running_seen] == ["decoding"]
+    assert (budget, cap) == (61, 0)  # the chat's 60 tokens + one decode token; a lone chat uncapped
+    # Put back in front, after whatever vLLM did to the list.
+    assert [r.name for r in s.running] == ["rag", "decoding", "admitted-now"]
+
+
+def test_background_steps_and_the_bound_on_holding():
+    s = _Shaped(max_held=2)
+    rag, decoding = _req("rag", 1, 1500, 384), _req("decoding", 0, 80, 95)
+    s.running, s.waiting = [rag, decoding], []
+    s.schedule()
+    assert s.seen[1:] == (129, 128)  # only the RAG prompt: 128 of it + one decode token
+    s.running, s.waiting = [rag, decoding], [_req("chat", 0, 600, 0)]
+    names = []
+    for _ in range(3):
+        s.running = [r for r in s.running if r.name != "admitted-now"]
+        s.schedule()
+        names.append([r.name for r in s.seen[0]])
+    # Held twice in a row, then one step shared with it (vLLM's budget and cap), then held again.
+    assert names == [["decoding"], ["decoding"], ["rag", "decoding"]]
+    assert s.seen[1:] == (256, 224)
+    s.running = [r for r in s.running if r.name != "admitted-now"]
+    s.schedule()
+    assert [r.name for r in s.seen[0]] == ["decoding"]
