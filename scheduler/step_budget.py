@@ -10,10 +10,10 @@ chat's own step even began (BENCHMARKS.md, "The step cap at 7/8 of the step").
 Two rules, one per situation:
 
   - Background steps: while every prompt in the engine belongs to a looser tier,
-    a step carries at most `background` prompt tokens (shared between those
-    prompts) plus one token for each running decode, which never waits for
-    it. The price: more, shorter steps for background prompts, each with the
-    step's fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU).
+    a step carries at most `background` prompt tokens (of one prompt at a time)
+    plus one token for each running decode, which never waits for it. The
+    price: more, shorter steps for background prompts, each with the step's
+    fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU).
   - Holding: while a prompt of the strictest tier has tokens left, the looser
     prompts the engine has started sit out (they keep their KV blocks and
     their progress; nothing is recomputed) and the step carries only the
@@ -41,6 +41,7 @@ class StepShape:
     tokens: int  # the step's token budget (vLLM max_num_batched_tokens for this step)
     prefill_cap: int  # most prompt tokens one request may take in it (long_prefill_token_threshold; 0 = none)
     hold_background: bool = False  # started looser-tier prompts sit this step out
+    decodes_first: bool = False  # running decodes take their token before any prompt takes the rest
 
 
 def background_tokens(setting: int, step_tokens: int) -> int:
@@ -80,8 +81,8 @@ def next_step(prompts: Sequence[tuple[int, int]], decoding: int, *, urgent_prior
         return StepShape(tokens, prefill_cap if len(urgent) > 1 else 0, hold_background=True)
     if background <= 0 or background >= step_tokens:
         return full
-    # Each background prompt gets an equal share, so that whatever the engine's order of
-    # requests, the decodes' tokens are left in the budget.
-    share = max(1, background // len(prompts))
-    cap = min(share, prefill_cap) if prefill_cap > 0 else share
-    return StepShape(min(step_tokens, background + decoding), cap)
+    # One background prompt at a time, in the engine's order (the first started finishes first, as
+    # in full steps; shared, they would all finish late together); the engine must schedule the
+    # decodes first so that their tokens are left in the budget (`decodes_first`).
+    cap = min(background, prefill_cap) if prefill_cap > 0 else background
+    return StepShape(min(step_tokens, background + decoding), cap, decodes_first=True)

@@ -13,14 +13,15 @@ def test_background_setting_resolves_against_the_step():
 
 
 def test_only_looser_tier_prompts_get_a_short_step_with_room_for_every_decode():
+    bg = {"decodes_first": True}
     # One RAG prompt (priority 1, 1,400 tokens left) beside 5 decodes: 128 prompt tokens + 5 decode tokens.
-    assert next_step([(1, 1400)], 5, **ENGINE) == StepShape(133, 128)
+    assert next_step([(1, 1400)], 5, **ENGINE) == StepShape(133, 128, **bg)
     # Alone it gets the background budget too (vLLM lifts the cap for a request alone; the budget holds).
-    assert next_step([(1, 1400)], 0, **ENGINE) == StepShape(128, 128)
-    # Two background prompts share it, so whichever vLLM schedules first leaves the decodes their tokens.
-    assert next_step([(2, 900), (1, 1400)], 3, **ENGINE) == StepShape(131, 64)
+    assert next_step([(1, 1400)], 0, **ENGINE) == StepShape(128, 128, **bg)
+    # Two background prompts: one at a time (the first in the engine's order takes the 128 tokens).
+    assert next_step([(2, 900), (1, 1400)], 3, **ENGINE) == StepShape(131, 128, **bg)
     # Many decodes: never more than the engine's own budget.
-    assert next_step([(1, 1400)], 500, **ENGINE) == StepShape(256, 128)
+    assert next_step([(1, 1400)], 500, **ENGINE) == StepShape(256, 128, **bg)
 
 
 def test_a_strictest_tier_prompt_steps_alone_with_the_decodes_while_looser_ones_are_held():
@@ -42,10 +43,10 @@ def test_full_step_without_prompts_or_when_off():
     assert next_step([], 7, **ENGINE) == StepShape(256, 224)  # decodes only
     assert next_step([(1, 1400)], 5, **{**ENGINE, "background": 0}) == StepShape(256, 224)
     assert next_step([(1, 1400)], 5, **{**ENGINE, "background": 256}) == StepShape(256, 224)  # not shorter
-    # An engine without a cap of its own still caps each background prompt at its share.
-    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 0}) == StepShape(133, 128)
-    # A share never exceeds the engine's own cap.
-    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 100}) == StepShape(133, 100)
+    # An engine without a cap of its own still caps a background prompt at the background step.
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 0}) == StepShape(133, 128, decodes_first=True)
+    # Never more than the engine's own cap.
+    assert next_step([(1, 1400)], 5, **{**ENGINE, "prefill_cap": 100}) == StepShape(133, 100, decodes_first=True)
 
 
 def test_preemption_counts_a_background_step_in_progress_as_short():

@@ -55,14 +55,16 @@ def test_background_steps_and_the_bound_on_holding():
     rag, decoding = _req("rag", 1, 1500, 384), _req("decoding", 0, 80, 95)
     s.running, s.waiting = [rag, decoding], []
     s.schedule()
-    assert s.seen[1:] == (129, 128)  # only the RAG prompt: 128 of it + one decode token
+    # Only the RAG prompt: 128 of it + one decode token, the decode first in vLLM's order.
+    assert s.seen[1:] == (129, 128) and [r.name for r in s.seen[0]] == ["decoding", "rag"]
+    s.running = [rag, decoding]
     s.running, s.waiting = [rag, decoding], [_req("chat", 0, 600, 0)]
     names = []
     for _ in range(3):
         s.running = [r for r in s.running if r.name != "admitted-now"]
         s.schedule()
         names.append([r.name for r in s.seen[0]])
-    # Held twice in a row, then one step shared with it (vLLM's budget and cap), then held again.
+    # Held twice in a row, then one step shared with it (vLLM's budget, cap and order), then held again.
     assert names == [["decoding"], ["decoding"], ["rag", "decoding"]]
     assert s.seen[1:] == (256, 224)
     s.running = [r for r in s.running if r.name != "admitted-now"]

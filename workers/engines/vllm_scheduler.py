@@ -57,6 +57,9 @@ class _StepShaping:
                           max_held=self._max_held)
         self.max_num_scheduled_tokens = shape.tokens
         self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
+        if shape.decodes_first:
+            # vLLM takes running requests in list order; stable, so prompts keep theirs.
+            self.running.sort(key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
         held = []
         if shape.hold_background:
             # Out of the running list for this one schedule(): vLLM then neither gives them tokens
