@@ -59,7 +59,8 @@ class EngineConfig:
     # strictest (plus one token per running decode): a strictest-tier request arriving then
     # waits for a short step in progress, not a full one; with one of its prompts in the
     # engine, steps are full again (scheduler/step_budget.py). -1 = half of
-    # max_num_batched_tokens; 0 = off (every step full).
+    # max_num_batched_tokens on decode workers, off on prefill workers (step_budget.py says
+    # why); 0 = off (every step full).
     background_step_tokens: int = -1
     # While a strictest-tier prompt has tokens left, looser-tier prompts the engine has started
     # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row
@@ -93,9 +94,9 @@ class EngineConfig:
         """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
         return prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
 
-    def background_tokens(self) -> int:
-        """background_step_tokens resolved against the step (0 = off)."""
-        return background_tokens(self.background_step_tokens, self.max_num_batched_tokens)
+    def background_tokens(self, role: str) -> int:
+        """background_step_tokens resolved against the step for a worker of `role` (0 = off)."""
+        return background_tokens(self.background_step_tokens, self.max_num_batched_tokens, role)
 
 
 def prefill_cap(threshold: int, step_tokens: int) -> int:

@@ -6,10 +6,11 @@ from skyline.scheduler.step_budget import StepShape, background_tokens, next_ste
 ENGINE = {"urgent_priority": 0, "step_tokens": 256, "prefill_cap": 224, "background": 128, "max_held": 16}
 
 
-def test_background_setting_resolves_against_the_step():
-    assert background_tokens(-1, 256) == 128
-    assert background_tokens(0, 256) == 0
-    assert background_tokens(96, 256) == 96
+def test_background_setting_resolves_against_the_step_and_the_role():
+    assert background_tokens(-1, 256, "decode") == 128
+    assert background_tokens(-1, 256, "prefill") == 0  # the default: off on prefill workers
+    assert background_tokens(0, 256, "decode") == 0
+    assert background_tokens(96, 256, "prefill") == 96
 
 
 def test_only_looser_tier_prompts_get_a_short_step_with_room_for_every_decode():

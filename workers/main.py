@@ -13,7 +13,7 @@ from skyline.workers.engines.base import Engine
 log = logging.getLogger("skyline.worker")
 
 
-def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0) -> Engine:
+def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, role: str = "decode") -> Engine:
     """The engine named in config; an unknown kind is an error, never a fallback.
     `urgent_priority`: the strictest tier's engine priority (its prompts get full steps)."""
     if ec.kind == "sim":
@@ -29,7 +29,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0) ->
             model=model_path, dtype=ec.dtype, max_model_len=ec.max_model_len, kv_cache_gib=ec.kv_cache_gib,
             cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or free_port(), kv_lease_s=ec.kv_lease_s,
             engine_nice=ec.engine_nice, kv_transfer=ec.kv_transfer, max_num_batched_tokens=ec.max_num_batched_tokens or None,
-            long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(),
+            long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
             hold_background_steps=ec.hold_background_steps,
             urgent_priority=urgent_priority,
         )
@@ -46,7 +46,8 @@ async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> No
     moves_kv = cfg.engine.kind == "vllm" and cfg.engine.kv_transfer
     if moves_kv and not cfg.engine.nixl_port:
         cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=free_port()))
-    engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers))
+    engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers),
+                          role=cfg.worker.role)
     rt = WorkerRuntime(cfg, engine, model_name)
     handler = PrefillHandler(rt) if rt.role == "prefill" else DecodeHandler(rt)
     # Up before the engine starts, so that orchestrators' liveness probes pass during start-up.

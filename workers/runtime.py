@@ -80,7 +80,7 @@ class WorkerRuntime:
         vllm = engine.kind == "vllm"
         self.preemption = PreemptionPolicy(cfg.worker.preemption, cfg.worker.max_preemptions,
                                            cfg.engine.max_num_batched_tokens, cfg.engine.prefill_cap() if vllm else 0,
-                                           cfg.engine.background_tokens() if vllm else 0,
+                                           cfg.engine.background_tokens(role) if vllm else 0,
                                            vllm and cfg.engine.hold_background_steps > 0)
         self.shield: Shield | None = None  # set by a preemption: claim only its tiers for a while
         self.tiers_by_rank = sorted(self.tier_rank, key=self.tier_rank.__getitem__)

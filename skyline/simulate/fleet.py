@@ -82,7 +82,8 @@ class Simulation:
         self.prefill_cap = prefill_cap(threshold, perf_prefill.max_step_tokens)
         self.decode_cap = prefill_cap(threshold, perf_decode.max_step_tokens)
         # ... and its short steps while only looser-tier prompts compute (scheduler/step_budget.py).
-        self.prefill_background = background_tokens(cfg.engine.background_step_tokens, perf_prefill.max_step_tokens)
+        self.prefill_background = background_tokens(cfg.engine.background_step_tokens, perf_prefill.max_step_tokens,
+                                                   "prefill")
         self.decode_background = background_tokens(cfg.engine.background_step_tokens, perf_decode.max_step_tokens)
         self.urgent_priority = min(t.priority for t in cfg.tiers)
         self.max_held_steps = cfg.engine.hold_background_steps
