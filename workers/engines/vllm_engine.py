@@ -39,6 +39,7 @@ from skyline.messages import SamplingSpec
 from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
 
 log = logging.getLogger("skyline.engine.vllm")
+steps_log = logging.getLogger("skyline.engine.steps")  # one DEBUG line per vLLM step
 
 # How long (s) a prefill engine keeps a prompt's KV blocks for a decode engine
 # that has not pulled them yet. vLLM 0.32 replaced VLLM_NIXL_ABORT_REQUEST_TIMEOUT
@@ -326,8 +327,14 @@ class VllmEngine(Engine):
                     return
                 engine._sched = scheduler_stats
                 step = getattr(scheduler_stats, "iteration_details", None)  # vLLM >= 0.32, when enabled
-                if step is not None and not step.is_dummy and engine.on_step is not None:
+                if step is None or step.is_dummy:
+                    return
+                if engine.on_step is not None:
                     engine.on_step(step.num_ctx_tokens, step.num_generation_tokens, step.elapsed_ms / 1000)
+                if steps_log.isEnabledFor(logging.DEBUG):  # `--log-level debug`: each step, to line up with events
+                    steps_log.debug("engine step: %d prompt + %d decode tokens in %.1f ms (running %d, waiting %d)",
+                                    step.num_ctx_tokens, step.num_generation_tokens, step.elapsed_ms,
+                                    scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
 
             def log_engine_initialized(self):
                 pass
