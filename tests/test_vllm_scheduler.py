@@ -21,7 +21,7 @@ class _VllmStandIn:
         self.seen = (list(self.running), self.max_num_scheduled_tokens,
                      self.scheduler_config.long_prefill_token_threshold)
         self.running.append(SimpleNamespace(name="admitted-now", priority=0, num_prompt_tokens=9,
-                                            num_computed_tokens=0))  # vLLM may change the list meanwhile
+                                            num_computed_tokens=0, status=None))  # vLLM may change the list
         return "scheduler output"
 
 
@@ -34,8 +34,9 @@ class _Shaped(vllm_scheduler._StepShaping, _VllmStandIn):
         self._init_step_shaping()
 
 
-def _req(name, priority, prompt, computed):
-    return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed)
+def _req(name, priority, prompt, computed, status=None):
+    return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed,
+                           status=status)
 
 
 def test_a_waiting_chat_steps_with_the_decodes_while_the_started_rag_prompt_sits_out():
@@ -70,3 +71,14 @@ def test_background_steps_and_the_bound_on_holding():
     s.running = [r for r in s.running if r.name != "admitted-now"]
     s.schedule()
     assert [r.name for r in s.seen[0]] == ["decoding"]
+
+
+def test_a_request_waiting_for_its_kv_from_a_prefill_engine_holds_nothing_back():
+    from vllm.v1.request import RequestStatus
+
+    s = _Shaped()
+    rag = _req("rag", 1, 1500, 384)
+    pulling = _req("pulling", 0, 300, 0, status=RequestStatus.WAITING_FOR_REMOTE_KVS)
+    s.running, s.waiting = [rag], [pulling]
+    s.schedule()
+    assert [r.name for r in s.seen[0]] == ["rag"] and s.seen[1:] == (128, 128)  # a background step

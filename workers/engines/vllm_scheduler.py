@@ -24,6 +24,7 @@ from typing import Any
 from skyline.scheduler.step_budget import next_step
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 CONFIG_KEY = "skyline_step"
 QUALNAME = f"{__name__}.make_scheduler"
@@ -51,7 +52,9 @@ class _StepShaping:
                 prompts.append((r.priority, left))
             else:
                 decoding += 1
-        prompts.extend((r.priority, r.num_prompt_tokens) for r in self.waiting)
+        # A request waiting for its KV from a prefill engine computes (almost) nothing here.
+        prompts.extend((r.priority, r.num_prompt_tokens) for r in self.waiting
+                       if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
         shape = next_step(prompts, decoding, urgent_priority=self._urgent_priority, step_tokens=self._full_tokens,
                           prefill_cap=self._full_cap, background=self._background, held=self._held,
                           max_held=self._max_held)
