@@ -13,7 +13,8 @@ Two rules, one per situation:
     a step carries at most `background` prompt tokens (of one prompt at a time)
     plus one token for each running decode, which never waits for it. The
     price: more, shorter steps for background prompts, each with the step's
-    fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU).
+    fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU); so only on an
+    engine that has seen strictest-tier work in the last `URGENT_MEMORY_S`.
   - Holding: while a prompt of the strictest tier has tokens left, the looser
     prompts the engine has started sit out (they keep their KV blocks and
     their progress; nothing is recomputed) and the step carries only the
@@ -42,6 +43,16 @@ class StepShape:
     prefill_cap: int  # most prompt tokens one request may take in it (long_prefill_token_threshold; 0 = none)
     hold_background: bool = False  # started looser-tier prompts sit this step out
     decodes_first: bool = False  # running decodes take their token before any prompt takes the rest
+
+
+# Background steps are worth their cost only where strictest-tier work arrives: an engine that has
+# not seen any for this long steps full again (a fleet serving one tier pays nothing).
+URGENT_MEMORY_S = 30.0
+
+
+def expecting_urgent(last_urgent_s: float | None, now_s: float) -> bool:
+    """Has the engine seen a strictest-tier prompt recently enough to keep background steps short?"""
+    return last_urgent_s is not None and now_s - last_urgent_s < URGENT_MEMORY_S
 
 
 def background_tokens(setting: int, step_tokens: int, role: str = "decode") -> int:

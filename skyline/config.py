@@ -60,7 +60,8 @@ class EngineConfig:
     # waits for a short step in progress, not a full one; with one of its prompts in the
     # engine, steps are full again (scheduler/step_budget.py). -1 = half of
     # max_num_batched_tokens on decode workers, off on prefill workers (step_budget.py says
-    # why); 0 = off (every step full).
+    # why); 0 = off (every step full). Only on an engine that has seen a strictest-tier
+    # prompt in the last 30 s (URGENT_MEMORY_S): a fleet serving one tier steps full.
     background_step_tokens: int = -1
     # While a strictest-tier prompt has tokens left, looser-tier prompts the engine has started
     # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row

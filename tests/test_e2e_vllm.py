@@ -122,8 +122,9 @@ def test_workers_export_each_engine_step(fleet, client, redis_url):
 
 def test_looser_tier_prompts_take_short_steps_and_strictest_tier_prompts_full_ones(client, redis_url):
     """The default step shape (scheduler/step_budget.py, 256-token steps): a standard-tier prompt
-    alone in a decode worker's engine (colocated route) goes 128 tokens a step, an interactive one
-    256 (each prompt starts with its own words, so neither reuses the other's cached blocks)."""
+    alone in a decode worker's engine (colocated route) that has seen an interactive request goes 128
+    tokens a step, an interactive one 256 (each prompt starts with its own words, so neither reuses
+    the other's cached blocks)."""
     import math
 
     def prefill_steps(tier: str, opening: str) -> tuple[int, float]:
@@ -132,6 +133,9 @@ def test_looser_tier_prompts_take_short_steps_and_strictest_tier_prompts_full_on
                                       extra_headers={"x-slo-tier": tier, "x-skyline-route": "colocated"})
         return r.usage.prompt_tokens, _engine_steps(redis_url)[("decode", "prefill", "count")] - before
 
+    # Background steps are for engines that have seen the strictest tier lately (step_budget.py).
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0,
+                              extra_headers={"x-slo-tier": "interactive", "x-skyline-route": "colocated"})
     tokens, steps = prefill_steps("standard", "Orchard notes. ")
     assert tokens > 400 and steps >= math.ceil(tokens / 128)
     tokens, steps = prefill_steps("interactive", "Harbour logs. ")

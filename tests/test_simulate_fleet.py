@@ -170,27 +170,42 @@ def test_a_capped_engine_shares_its_steps_and_shields_the_request_it_preempted_f
 
 def test_steps_by_tier_shorten_the_wait_of_a_strictest_tier_arrival():
     """Hand-checked, the step shape by tier (scheduler/step_budget.py): 256-token steps, cap 224;
-    prefill at 1,000 tokens/s, no fixed cost per step. A 1,500-token batch prompt from 0; a 30-token
-    interactive chat (loose target: no preemption) arrives at 0.3 s.
+    prefill at 1,000 tokens/s, no fixed cost per step. A 20-token interactive chat at 0 (one step,
+    done at 0.020 s: the engine has now seen the strictest tier); a 1,500-token batch prompt from
+    0.1 s; a 30-token interactive chat (loose target: no preemption) at 0.4 s.
       - default (background steps of 128 tokens, holding): the RAG prompt steps 128 tokens at a time
-        (0.128 s); the chat waits for the third step (to 0.384 s), then steps alone while the RAG
+        (0.128 s); the chat waits for the third step (to 0.484 s), then steps alone while the RAG
         prompt sits out (30 tokens, 0.030 s): TTFT 0.114 s;
-      - background steps, no holding: after 0.384 s the RAG prompt (running, scheduled first) takes
+      - background steps, no holding: after 0.484 s the RAG prompt (running, scheduled first) takes
         224 tokens and the chat the 30 left of the step (0.254 s): TTFT 0.338 s;
-      - neither: the chat waits for the second 256-token step (to 0.512 s), then 224 + 30: 0.466 s.
+      - neither: the chat waits for the second 256-token step (to 0.612 s), then 224 + 30: 0.466 s.
     Every way the RAG prompt's 1,500 tokens take 1.530 s of engine time, the chat's included (short
     steps cost it only their fixed cost, none here)."""
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
     for background, hold, chat_ttft in ((-1, 16, 0.114), (-1, 0, 0.338), (0, 0, 0.466)):
         cfg = with_overrides(load_config(None), admission=False, background_step_tokens=background,
                              hold_background_steps=hold)
-        rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
-        chat = SimRequest(1, "chat", "interactive", 0.3, 30, 4, 1e9, 1e9)
+        first = SimRequest(0, "chat", "interactive", 0.0, 20, 1, 1e9, 1e9)
+        rag = SimRequest(1, "rag", "batch", 0.1, 1500, 4, 1e9, 1e9)
+        chat = SimRequest(2, "chat", "interactive", 0.4, 30, 4, 1e9, 1e9)
         sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
-        sim.run([rag, chat], drain_s=60)
+        sim.run([first, rag, chat], drain_s=60)
         assert rag.outcome == chat.outcome == "ok" and sim.counters["preempted"] == 0
         assert chat.ttft_s == pytest.approx(chat_ttft, abs=1e-6), (background, hold)
         assert rag.ttft_s == pytest.approx(1.530, abs=1e-6), (background, hold)
+
+
+def test_an_engine_that_has_not_seen_the_strictest_tier_steps_full():
+    """A fleet serving only looser tiers pays nothing for background steps: the same 1,500-token batch
+    prompt and a 30-token batch prompt at 0.3 s, no interactive request anywhere: full 256-token steps
+    (the RAG prompt alone to 0.512 s, then 224 + 30, the second one's first token at 0.766 s)."""
+    m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
+    rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
+    other = SimRequest(1, "chat", "batch", 0.3, 30, 4, 1e9, 1e9)
+    sim = Simulation(with_overrides(load_config(None), admission=False), FleetSpec("colocated", 0, 1), m, m,
+                     overhead_s=0)
+    sim.run([rag, other], drain_s=60)
+    assert other.ttft_s == pytest.approx(0.466, abs=1e-6)
 
 
 def test_holding_is_bounded_so_background_prompts_still_progress():

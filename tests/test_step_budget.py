@@ -1,7 +1,7 @@
 """The engine's step shape by tier (scheduler/step_budget.py) and what the preemption check makes of it."""
 
 from skyline.scheduler.preemption import PreemptionPolicy, Running, Waiting, choose_victims, tokens_until_done
-from skyline.scheduler.step_budget import StepShape, background_tokens, next_step
+from skyline.scheduler.step_budget import URGENT_MEMORY_S, StepShape, background_tokens, expecting_urgent, next_step
 
 ENGINE = {"urgent_priority": 0, "step_tokens": 256, "prefill_cap": 224, "background": 128, "max_held": 16}
 
@@ -11,6 +11,12 @@ def test_background_setting_resolves_against_the_step_and_the_role():
     assert background_tokens(-1, 256, "prefill") == 0  # the default: off on prefill workers
     assert background_tokens(0, 256, "decode") == 0
     assert background_tokens(96, 256, "prefill") == 96
+
+
+def test_background_steps_only_where_the_strictest_tier_was_seen_lately():
+    assert expecting_urgent(100.0, 100.0 + URGENT_MEMORY_S - 1)
+    assert not expecting_urgent(100.0, 100.0 + URGENT_MEMORY_S)
+    assert not expecting_urgent(None, 5.0)
 
 
 def test_only_looser_tier_prompts_get_a_short_step_with_room_for_every_decode():

@@ -77,6 +77,7 @@ class DecodeWorker:
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
         self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
         self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
+        self.last_urgent: float | None = None  # when a strictest-tier prompt was last in the engine
         self.joining: list = []  # KV arrived while stepping: join at the next step
         self.stepping = False
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
@@ -340,7 +341,7 @@ class DecodeWorker:
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
         order = started + waiting
         if self.sim.decode_background or self.sim.max_held_steps:
-            order, step, cap, self.held_steps = shape_step(self.sim, order, self.B, step, cap,
+            order, step, cap, self.held_steps = shape_step(self, order, self.B, step, cap,
                                                            self.sim.decode_background, self.held_steps)
         budget = step - self.B
         held = len(order) + self.B

@@ -19,7 +19,7 @@ it claims, and for the EDF head while it is full.
 from __future__ import annotations
 
 from skyline.scheduler.preemption import Shield
-from skyline.scheduler.step_budget import next_step
+from skyline.scheduler.step_budget import expecting_urgent, next_step
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 
@@ -42,6 +42,7 @@ class PrefillWorker:
         self.rate_cache = (-1.0, 0.0)  # (refreshed at, tokens/s): the live worker reads its meter per heartbeat
         self._order = 0
         self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
+        self.last_urgent: float | None = None  # when a strictest-tier prompt was last in the engine
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
@@ -92,7 +93,7 @@ class PrefillWorker:
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
         cap = self.sim.prefill_cap
         if self.sim.prefill_background or self.sim.max_held_steps:
-            order, budget, cap, self.held_steps = shape_step(self.sim, order, 0, budget, cap,
+            order, budget, cap, self.held_steps = shape_step(self, order, 0, budget, cap,
                                                              self.sim.prefill_background, self.held_steps)
         chunks, work = plan_chunks(order, budget, cap if len(order) > 1 else 0)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
@@ -144,11 +145,16 @@ class PrefillWorker:
         return len(victims)
 
 
-def shape_step(sim, order: list, decoding: int, step_tokens: int, cap: int, background: int, held: int):
+def shape_step(worker, order: list, decoding: int, step_tokens: int, cap: int, background: int, held: int):
     """The engine's step shape by tier (`scheduler.step_budget.next_step`, as the live vLLM scheduler hook):
     the prompts that take part in the step (looser-tier ones sit out while it holds them back), its
     budget and per-request cap, and the count of steps in a row that held prompts back."""
-    urgent = sim.urgent_priority
+    sim = worker.sim
+    urgent, now = sim.urgent_priority, sim.loop.now
+    if any(h.req.priority <= urgent for h in order):
+        worker.last_urgent = now
+    if not expecting_urgent(worker.last_urgent, now):
+        background = 0
     shape = next_step([(h.req.priority, h.req.prompt_tokens - h.done) for h in order], decoding,
                       urgent_priority=urgent, step_tokens=step_tokens, prefill_cap=cap, background=background,
                       held=held, max_held=sim.max_held_steps)

@@ -19,9 +19,10 @@ have picked, so setting a scheduler class does not turn async scheduling off.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
-from skyline.scheduler.step_budget import next_step
+from skyline.scheduler.step_budget import expecting_urgent, next_step
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -39,6 +40,7 @@ class _StepShaping:
         self._background = int(settings.get("background_tokens", 0))
         self._max_held = int(settings.get("max_held_steps", 0))
         self._held = 0  # steps in a row that held looser-tier prompts back
+        self._last_urgent: float | None = None  # monotonic time a strictest-tier prompt was last here
         self._full_tokens = self.max_num_scheduled_tokens
         # Our own copy: the cap is rewritten every step and the config object is shared.
         self.scheduler_config = copy.copy(self.scheduler_config)
@@ -55,8 +57,12 @@ class _StepShaping:
         # A request waiting for its KV from a prefill engine computes (almost) nothing here.
         prompts.extend((r.priority, r.num_prompt_tokens) for r in self.waiting
                        if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        now = time.monotonic()
+        if any(priority <= self._urgent_priority for priority, _left in prompts):
+            self._last_urgent = now
+        background = self._background if expecting_urgent(self._last_urgent, now) else 0
         shape = next_step(prompts, decoding, urgent_priority=self._urgent_priority, step_tokens=self._full_tokens,
-                          prefill_cap=self._full_cap, background=self._background, held=self._held,
+                          prefill_cap=self._full_cap, background=background, held=self._held,
                           max_held=self._max_held)
         self.max_num_scheduled_tokens = shape.tokens
         self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
