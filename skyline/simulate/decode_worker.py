@@ -340,9 +340,15 @@ class DecodeWorker:
         started = [h for h in self.local if h.done]
         waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
         order = started + waiting
-        if self.sim.decode_background or self.sim.max_held_steps:
-            order, step, cap, self.held_steps = shape_step(self, order, self.B, step, cap,
-                                                           self.sim.decode_background, self.held_steps)
+        if len(self.sim.ranks_seen) > 1:
+            if self.sim.decode_background or self.sim.max_held_steps:
+                order, step, cap, self.held_steps = shape_step(self, order, self.B, step, cap,
+                                                               self.sim.decode_background, self.held_steps)
+        elif order and order[0].req.priority <= self.sim.urgent_priority:
+            # One tier so far, the strictest: next_step's answer without the call (a hot path).
+            self.last_urgent = self.sim.loop.now
+            if len(order) == 1 and self.sim.max_held_steps:
+                cap = 0  # a lone strictest-tier prompt steps uncapped
         budget = step - self.B
         held = len(order) + self.B
         chunks, work = plan_chunks(order, budget, cap if held > 1 else 0)

@@ -92,9 +92,13 @@ class PrefillWorker:
             order = [h for h in self.held if h.done]
             order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
         cap = self.sim.prefill_cap
-        if self.sim.prefill_background or self.sim.max_held_steps:
-            order, budget, cap, self.held_steps = shape_step(self, order, 0, budget, cap,
-                                                             self.sim.prefill_background, self.held_steps)
+        if len(self.sim.ranks_seen) > 1:
+            if self.sim.prefill_background or self.sim.max_held_steps:
+                order, budget, cap, self.held_steps = shape_step(self, order, 0, budget, cap,
+                                                                 self.sim.prefill_background, self.held_steps)
+        elif order[0].req.priority <= self.sim.urgent_priority:
+            # One tier so far, the strictest: nothing to shape (the hot path of big fleets); remember it.
+            self.last_urgent = self.sim.loop.now
         chunks, work = plan_chunks(order, budget, cap if len(order) > 1 else 0)
         dur = self.sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
