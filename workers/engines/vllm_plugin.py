@@ -1,4 +1,13 @@
-"""A vLLM general plugin (entry point `vllm.general_plugins`): a NIXL progress thread that sleeps.
+"""A vLLM general plugin (entry point `vllm.general_plugins`): CPU engines that keep to their cores.
+
+Three things in a vLLM CPU engine take cores from the engines on a host whose
+cores are all computing: two threads that poll in a loop, and the NIXL
+connector moving the thread that computes. Each patch applies only when its
+environment variable is set (VllmEngine sets them for CPU engines), so
+installing Skyline changes nothing for other vLLM users (the `vllm serve`
+baseline of `skyline bench` included).
+
+1. The NIXL progress thread.
 
 NIXL's Python API creates every agent with `pthrDelay = 0`: its progress
 thread polls UCX in a tight loop. Measured here, an idle vLLM CPU engine with
@@ -10,19 +19,111 @@ UCX or the decode engine's pull never completes (seen here: it hung).
 
 So the thread keeps running but pauses `SKYLINE_NIXL_PROGRESS_DELAY_US`
 microseconds between polls. vLLM loads general plugins in every engine
-process, the only way to reach the worker process that builds the agent; the
-patch applies only when that variable is set (VllmEngine sets it for CPU KV
-buffers), so installing Skyline changes nothing for other vLLM users.
+process, the only way to reach the worker process that builds the agent.
+
+2. The shared-memory message queues between vLLM's engine-core process and
+its model-executor process (the CPU platform always uses the multiprocess
+executor). A reader of a queue spins on `sched_yield()` for a second after its
+last message before it sleeps on a ZeroMQ notification
+(`shm_broadcast.SpinCondition`, `busy_loop_s = 1`): a busy engine's core
+process waits for every step's result that way and never sleeps (74% of a
+core measured here, for one engine alone). With `SKYLINE_SHM_POLL_PAUSE_US`
+set, a reader in that busy second sleeps that long between looks instead of
+yielding: the same loop, so nothing else changes, at a wake-up delay of that
+many microseconds per message. (Cutting the busy second to zero instead, so
+readers always wait for the notification, stalled batched steps for ~5 s:
+a notification can be lost while one is still queued.)
+
+3. The NIXL connector's worker, on CPU, pins the thread that builds it to the
+last core of each NUMA node (`os.sched_setaffinity(0, ...)`, "reserve
+different cores for start_load_kv() from model_forward()"). That thread is
+the executor's main thread, OpenMP's master: with one OpenMP thread it is the
+one that computes. So every CPU engine with the connector computed on the
+host's last core whatever `VLLM_CPU_OMP_THREADS_BIND` said: measured here, a
+prefill engine bound to core 0 and a decode engine bound to core 1 both ran
+on core 1 (what looked like a 2.2x "neighbour slowdown", and prefill steps
+in the fleet 5-6x their time alone), while core 0 served the pollers. With
+`SKYLINE_NIXL_KEEP_CORES` set, the thread gets its cores back once the
+connector is built; threads the connector started meanwhile (NIXL's progress
+thread) keep the reserved core, as vLLM intended.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 ENV = "SKYLINE_NIXL_PROGRESS_DELAY_US"
+PAUSE_ENV = "SKYLINE_SHM_POLL_PAUSE_US"
+KEEP_CORES_ENV = "SKYLINE_NIXL_KEEP_CORES"
 
 
 def register() -> None:
+    _sleeping_progress_thread()
+    _sleeping_queue_readers()
+    _connector_keeps_engine_cores()
+
+
+def _connector_keeps_engine_cores() -> None:
+    if not os.environ.get(KEEP_CORES_ENV) or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    except ImportError:
+        return
+    cls = getattr(base_worker, "NixlBaseConnectorWorker", None)
+    if cls is not None:
+        keep_thread_cores(cls)
+
+
+def keep_thread_cores(cls: type) -> None:
+    """Building a `cls` leaves the building thread on the cores it had (patched once per class)."""
+    if cls.__dict__.get("_skyline_keeps_cores"):
+        return
+    real_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        cores = os.sched_getaffinity(0)  # this thread's: the engine's OpenMP binding
+        try:
+            real_init(self, *args, **kwargs)
+        finally:
+            os.sched_setaffinity(0, cores)
+
+    cls.__init__ = __init__
+    cls._skyline_keeps_cores = True
+
+
+def _sleeping_queue_readers() -> None:
+    value = os.environ.get(PAUSE_ENV)
+    if not value:
+        return
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return
+    cls = getattr(shm_broadcast, "SpinCondition", None)
+    if cls is not None:
+        pause_between_polls(cls, int(value) / 1e6)
+
+
+def pause_between_polls(cls: type, pause_s: float) -> None:
+    """A reader of `cls` (vLLM's SpinCondition) in its busy-polling window sleeps `pause_s` per look
+    instead of yielding the core and coming straight back; past the window vLLM's own wait runs."""
+    if cls.__dict__.get("_skyline_pause_s") is not None:
+        return
+    real_wait = cls.wait
+
+    def wait(self, timeout_ms=None):
+        if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(pause_s)
+            return
+        real_wait(self, timeout_ms)
+
+    cls.wait = wait
+    cls._skyline_pause_s = pause_s
+
+
+def _sleeping_progress_thread() -> None:
     delay = os.environ.get(ENV)
     if not delay:
         return
