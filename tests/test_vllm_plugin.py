@@ -86,7 +86,7 @@ def test_register_patches_only_what_the_environment_asks_for(monkeypatch):
     for env in (vllm_plugin.ENV, vllm_plugin.PAUSE_ENV, vllm_plugin.KEEP_CORES_ENV):
         monkeypatch.delenv(env, raising=False)
     vllm_plugin.register()
-    assert called == []  # plain vLLM users (the bench's `vllm serve` baseline) get vLLM as it is
+    assert called == []  # other vLLM users get vLLM as it is
     pytest.importorskip("vllm")
     monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "200")
     monkeypatch.setenv(vllm_plugin.KEEP_CORES_ENV, "1")

@@ -147,6 +147,7 @@ def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str
 
 def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
     from skyline.model import DEFAULT_MODEL_NAME, resolve_model
+    from skyline.workers.engines import vllm_plugin
 
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
@@ -154,7 +155,10 @@ def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
             "--host", "127.0.0.1", "--port", str(port),
             # Eager mode starts in ~16 s instead of ~70 s and decodes as fast on CPU.
             "--enforce-eager", "--scheduling-policy", run.spec.scheduling]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": engine_cores()}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": engine_cores(),
+           # The CPU fix Skyline's own engines get (vllm_plugin.py: queue readers that sleep instead of
+           # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
+           vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}
     _spawn(run, "server", argv, log_dir, env)
     run.url, run.model = f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME
     _wait(run, lambda: httpx.get(f"{run.url}/v1/models", timeout=2).status_code == 200, timeout_s)

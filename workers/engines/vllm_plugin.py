@@ -4,8 +4,9 @@ Three things in a vLLM CPU engine take cores from the engines on a host whose
 cores are all computing: two threads that poll in a loop, and the NIXL
 connector moving the thread that computes. Each patch applies only when its
 environment variable is set (VllmEngine sets them for CPU engines), so
-installing Skyline changes nothing for other vLLM users (the `vllm serve`
-baseline of `skyline bench` included).
+installing Skyline changes nothing for other vLLM users. (`skyline bench`
+gives its `vllm serve` baselines the second patch too: the comparison is of
+the serving layer, not of this fix.)
 
 1. The NIXL progress thread.
 
@@ -56,6 +57,7 @@ import time
 ENV = "SKYLINE_NIXL_PROGRESS_DELAY_US"
 PAUSE_ENV = "SKYLINE_SHM_POLL_PAUSE_US"
 KEEP_CORES_ENV = "SKYLINE_NIXL_KEEP_CORES"
+POLL_PAUSE_US = "200"  # for CPU engines: Skyline's, and the vLLM baselines of `skyline bench`
 
 
 def register() -> None:
