@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from skyline.simulate.perf import interp
 from skyline.simulate.perf_profile import ProfileModel
 from skyline.simulate.request import SimRequest
 from skyline.simulate.roofline import GPUS, MODELS, Efficiency, RooflineModel, roofline
-from skyline.simulate.workload import synthetic
+from skyline.simulate.workload import load_trace, measured_cache_hit, synthetic
 from tests.simmodels import HandModel
 
 # -- event engine ---------------------------------------------------------------------------------
@@ -217,6 +218,28 @@ def test_colocated_requests_prefill_on_the_decode_worker():
     assert req.route == "colocated"
     assert req.ttft_s == pytest.approx(0.2)  # the prefill step samples the first token
     assert req.latency_s == pytest.approx(0.2 + sum(0.010 + 1e-6 * (201 + j) for j in range(3)))
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_a_prefix_cache_hit_is_not_computed_again(mode, tmp_path):
+    """A replayed trace carries each request's measured prefix-cache hit; the engine computes only the
+    rest. 600-token prompts at 1 ms per token: 400 cached -> 0.2 s of prefill, none cached -> 0.6 s."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"send_at": 0, "prompt_tokens": 600, "max_tokens": 1, "cached_tokens": 400}) + "\n"
+                     + json.dumps({"send_at": 5, "prompt_tokens": 600, "max_tokens": 1}) + "\n")
+    hit, miss = load_trace(trace, cache_hits=True)[0][0.0]
+    sim = _fleet(mode)
+    sim.run([hit, miss], drain_s=60)
+    first_step = 0.0 if mode == "colocated" else 0.010 + 1e-6 * 600  # disagg: the decode step after the KV
+    assert hit.ttft_s == pytest.approx(0.2 + first_step) and miss.ttft_s == pytest.approx(0.6 + first_step)
+    assert [q.cached_tokens for q in load_trace(trace)[0][0.0]] == [0, 0]  # unless asked for
+
+
+def test_a_measured_cache_hit_is_the_engine_that_computed_the_prompt():
+    local = {"skyline": {"kv_transfer": {"remote_prefill": False, "num_cached_tokens": 128}}}
+    remote = {"skyline": {"kv_transfer": {"remote_prefill": True, "num_cached_tokens": 600,  # the transferred KV
+                                          "prefill_cached_tokens": 256}}}
+    assert [measured_cache_hit(r) for r in (local, remote, {"skyline": None}, {"cached_tokens": 64})] == [128, 256, 0, 64]
 
 
 def test_runs_are_deterministic_for_a_seed_and_differ_across_seeds():

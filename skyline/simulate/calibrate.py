@@ -31,6 +31,7 @@ import statistics
 from pathlib import Path
 
 from skyline.simulate.perf_profile import ProfileModel
+from skyline.simulate.workload import measured_cache_hit
 
 
 def prompt_s(model: ProfileModel, tokens: int, cached: int = 0) -> float:
@@ -62,7 +63,7 @@ def phases(results: dict, system: str, model: ProfileModel, rate: float | None =
         start = t0 + t["queue_ms"]
         prefill_ms = t["prefill_ms"] if remote else t["first_token_ms"] - t["queue_ms"]
         handoff = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"] - t["decode_queue_ms"] if remote else None
-        cached = (kv.get("prefill_cached_tokens") or 0) if remote else (kv.get("num_cached_tokens") or 0)
+        cached = measured_cache_hit(r)
         out.append({"rate": r["rate"], "send_at": r["send_at"], "prompt_tokens": r["prompt_tokens"],
                     "cached_tokens": cached, "output_tokens": r["output_tokens"], "remote": remote,
                     "prefill": (start, start + prefill_ms), "handoff_ms": handoff,

@@ -54,7 +54,8 @@ class _Local:
     __slots__ = ("aborted", "claimed_at", "done", "order", "req")
 
     def __init__(self, req, order: int, now: float):
-        self.req, self.done, self.order, self.claimed_at, self.aborted = req, 0, order, now, False
+        # a prefix-cache hit: the engine computes only the rest
+        self.req, self.done, self.order, self.claimed_at, self.aborted = req, req.cached_tokens, order, now, False
 
 
 class DecodeWorker:
@@ -337,8 +338,8 @@ class DecodeWorker:
             self._join(req)
         self.joining.clear()
         step, cap = self.perf.max_step_tokens, self.sim.decode_cap
-        started = [h for h in self.local if h.done]
-        waiting = sorted((h for h in self.local if not h.done), key=lambda h: (h.req.priority, h.order))
+        started = [h for h in self.local if h.done > h.req.cached_tokens]
+        waiting = sorted((h for h in self.local if h.done == h.req.cached_tokens), key=lambda h: (h.req.priority, h.order))
         order = started + waiting
         if len(self.sim.ranks_seen) > 1:
             if self.sim.decode_background or self.sim.max_held_steps:

@@ -83,6 +83,10 @@ def add_simulate_parser(sub) -> None:
     wl.add_argument("--trace", help="replay a trace instead: a `skyline bench` results.json (its requests, "
                                     "one system's), or JSON lines {send_at, prompt_tokens, max_tokens, cls, tier}")
     wl.add_argument("--trace-system", help="with a results.json trace: whose requests to replay (default: the first)")
+    wl.add_argument("--trace-cache-hits", action="store_true",
+                    help="with --trace: engines skip each request's measured prefix-cache hit (a results.json's "
+                         "num_cached_tokens, a JSON-lines trace's \"cached_tokens\"); off by default: the CPU "
+                         "calibration holds without it (docs/simulator.md)")
 
     slo = p.add_argument_group("SLO targets (as `skyline bench run`)")
     slo.add_argument("--slo-ttft-ms", help="one number for every class, or chat=MS,rag=MS")

@@ -28,7 +28,8 @@ class _Held:
     __slots__ = ("aborted", "claimed_at", "done", "order", "req")
 
     def __init__(self, req, order: int, now: float):
-        self.req, self.done, self.order, self.aborted, self.claimed_at = req, 0, order, False, now
+        # a prefix-cache hit: the engine computes only the rest
+        self.req, self.done, self.order, self.aborted, self.claimed_at = req, req.cached_tokens, order, False, now
 
 
 class PrefillWorker:
@@ -89,8 +90,8 @@ class PrefillWorker:
         if len(self.held) == 1:
             order = self.held  # the common case in a fleet with spare prefill capacity
         else:
-            order = [h for h in self.held if h.done]
-            order += sorted((h for h in self.held if not h.done), key=lambda h: (h.req.priority, h.order))
+            order = [h for h in self.held if h.done > h.req.cached_tokens]  # started first, as vLLM runs them
+            order += sorted((h for h in self.held if h.done == h.req.cached_tokens), key=lambda h: (h.req.priority, h.order))
         cap = self.sim.prefill_cap
         if len(self.sim.ranks_seen) > 1:
             if self.sim.prefill_background or self.sim.max_held_steps:
@@ -163,7 +164,7 @@ def shape_step(worker, order: list, decoding: int, step_tokens: int, cap: int, b
                       urgent_priority=urgent, step_tokens=step_tokens, prefill_cap=cap, background=background,
                       held=held, max_held=sim.max_held_steps)
     if shape.hold_background:
-        started_looser = any(h.done and h.req.priority > urgent for h in order)
+        started_looser = any(h.done > h.req.cached_tokens and h.req.priority > urgent for h in order)
         order = [h for h in order if h.req.priority <= urgent]
         held = held + 1 if started_looser else 0
     else:

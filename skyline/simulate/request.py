@@ -15,6 +15,8 @@ class SimRequest:
     __slots__ = (
         # what was sent (as a BenchRequest)
         "index", "cls", "send_at", "prompt_tokens", "max_tokens", "ttft_target_ms", "tpot_target_ms",
+        # prompt tokens the engine finds in its prefix cache (a replayed trace's measured hits; else 0)
+        "cached_tokens",
         # Skyline's view: tier after SLO resolution (and demotion), deadline, route
         "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms", "tpot_ms",
         # timeline (virtual seconds)
@@ -37,11 +39,14 @@ class SimRequest:
         self.outcome, self.output_tokens, self.attained = "cancelled", 0, False
         self.ttft_s = self.tpot_s = self.latency_s = 0.0
         self.server_prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
 
     def resent(self) -> SimRequest:
         """The same request, not yet served (to replay one trace on several fleets)."""
-        return SimRequest(self.index, self.cls, self.requested_tier, self.send_at, self.prompt_tokens, self.max_tokens,
-                          self.ttft_target_ms, self.tpot_target_ms)
+        req = SimRequest(self.index, self.cls, self.requested_tier, self.send_at, self.prompt_tokens, self.max_tokens,
+                         self.ttft_target_ms, self.tpot_target_ms)
+        req.cached_tokens = self.cached_tokens
+        return req
 
     def finish(self, overhead_s: float) -> None:
         """Verdict once the last token is out; `overhead_s` is the fleet's own hops (gateway, Redis, pub/sub)."""

@@ -130,7 +130,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     drain = p["drain"]
     trace = meta = None
     if args.trace:
-        trace, meta = load_trace(args.trace, args.trace_system)
+        trace, meta = load_trace(args.trace, args.trace_system, args.trace_cache_hits)
         drain = args.drain if args.drain is not None else (meta.get("drain_s") or drain)
     ex_ttft, ex_tpot = parse_per_class(args.slo_ttft_ms), parse_per_class(args.slo_tpot_ms)
     if args.slo_from:

@@ -87,14 +87,31 @@ def probe(spec: WorkloadSpec, per_class: int, lengths: str = "bench") -> list[Si
     return out
 
 
-def load_trace(path: str | Path, system: str | None = None) -> tuple[dict[float, list[SimRequest]], dict]:
+def measured_cache_hit(record: dict) -> int:
+    """Prompt tokens the engine that computed a measured request found in its prefix cache (vLLM's
+    `num_cached_tokens`; for a prompt prefilled remotely, the prefill engine's count: the decode
+    engine's counts the transferred KV). A JSON-lines trace may give "cached_tokens" itself."""
+    if "cached_tokens" in record:
+        return int(record["cached_tokens"])
+    kv = (record.get("skyline") or {}).get("kv_transfer") or {}
+    return int((kv.get("prefill_cached_tokens") if kv.get("remote_prefill") else kv.get("num_cached_tokens")) or 0)
+
+
+def load_trace(path: str | Path, system: str | None = None,
+               cache_hits: bool = False) -> tuple[dict[float, list[SimRequest]], dict]:
     """Requests per rate from a trace, and what the trace says about itself.
 
     A `skyline bench` results.json: the records of one system (the first by
     default), with their prompt and output lengths, send times and SLO
     targets: a measured run replayed exactly. Or JSON lines, one request
     each: {"send_at": s, "prompt_tokens": n, "max_tokens": n} and optionally
-    "cls", "tier", "rate", "ttft_target_ms", "tpot_target_ms".
+    "cls", "tier", "rate", "ttft_target_ms", "tpot_target_ms", "cached_tokens".
+
+    `cache_hits`: each request's engine skips the prompt tokens it found in
+    its prefix cache when measured (`measured_cache_hit`). Off by default: on
+    this machine's CPU fleets the simulator's other omission, the host's load
+    on the engines' steps, about cancels it, and the calibration was made
+    without it (docs/simulator.md).
     """
     text = Path(path).read_text()
     try:
@@ -118,9 +135,12 @@ def load_trace(path: str | Path, system: str | None = None) -> tuple[dict[float,
         prompt = int(r.get("server_prompt_tokens") or r["prompt_tokens"])
         reqs = by_rate.setdefault(rate, [])
         cls = r.get("cls", "chat")
-        reqs.append(SimRequest(int(r.get("index", len(reqs))), cls, r.get("tier", "standard"), float(r["send_at"]),
-                               prompt, int(r["max_tokens"]), float(r.get("ttft_target_ms", math.inf)),
-                               float(r.get("tpot_target_ms", math.inf))))
+        req = SimRequest(int(r.get("index", len(reqs))), cls, r.get("tier", "standard"), float(r["send_at"]),
+                         prompt, int(r["max_tokens"]), float(r.get("ttft_target_ms", math.inf)),
+                         float(r.get("tpot_target_ms", math.inf)))
+        if cache_hits:
+            req.cached_tokens = min(prompt - 1, measured_cache_hit(r))
+        reqs.append(req)
     for reqs in by_rate.values():
         reqs.sort(key=lambda q: (q.send_at, q.index))
     return by_rate, meta
