@@ -133,25 +133,25 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     home = Path(os.environ.get("SKYLINE_HOME", "~/.cache/skyline")).expanduser()
     procs: list[tuple[str, subprocess.Popen]] = []
     redis_proc = None
-    if not args.redis_url and not os.environ.get("SKYLINE_REDIS_URL"):
-        # The fleet connects as a restricted ACL user (no admin commands); the
-        # default user stays for an operator's `redis-cli` on this machine only.
-        password = fleet_password(home)
-        redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log",
-                                 fleet_password=password)
-        cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0"))
-        os.environ["SKYLINE_REDIS_PASSWORD"] = password  # children inherit it; never on a command line
-    if cfg.engine.kind == "vllm":
-        from skyline.model import resolve_model
+    try:  # from here: a Ctrl-C, even during the first run's model preparation, stops what started
+        if not args.redis_url and not os.environ.get("SKYLINE_REDIS_URL"):
+            # The fleet connects as a restricted ACL user (no admin commands); the
+            # default user stays for an operator's `redis-cli` on this machine only.
+            password = fleet_password(home)
+            redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log",
+                                     fleet_password=password, own_session=True)  # stopped last, below
+            cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0"))
+            os.environ["SKYLINE_REDIS_PASSWORD"] = password  # children inherit it; never on a command line
+        if cfg.engine.kind == "vllm":
+            from skyline.model import resolve_model
 
-        print(f"model: {resolve_model(cfg.engine.model)}", flush=True)  # prepares the default model once
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
-        env["SKYLINE_API_KEYS"] = ",".join(cfg.gateway.api_keys)
-    common = _common_args(cfg, args)
-    gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode]
-    t0 = time.monotonic()
-    try:
+            print(f"model: {resolve_model(cfg.engine.model)}", flush=True)  # prepares the default model once
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
+            env["SKYLINE_API_KEYS"] = ",".join(cfg.gateway.api_keys)
+        common = _common_args(cfg, args)
+        gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode]
+        t0 = time.monotonic()
         _spawn("gateway", gw, env, procs)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)
         for name, extra in plan:

@@ -41,7 +41,7 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
         [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", "--prefill", "2", "--decode", "2",
          "--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0",
          "--config", str(tmp_path / "cfg.toml")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,  # as in a terminal
         env=dict(os.environ, SKYLINE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
     )
     banner = []
@@ -75,7 +75,10 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
         password = (tmp_path / "redis-fleet.password").read_text().strip()
         assert password and not any(password in c for c in _cmdlines())
     finally:
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's foreground group
         rc = proc.wait(timeout=60)
     assert rc == 0
+    # Redis is stopped last, after the workers and the gateway drained: none of them lost it on the way out.
+    shutdown = proc.stdout.read()
+    assert "Connection refused" not in shutdown and "lost Redis" not in shutdown, shutdown[-3000:]
     assert not _port_open(gw_port) and not _port_open(redis_port), "something `up` started is still running"
