@@ -133,16 +133,16 @@ class VllmEngine(Engine):
 
         from skyline.workers.engines import vllm_plugin
 
-        if self.kv_transfer and not torch.cuda.is_available():
-            # CPU KV buffers: NIXL's progress thread would busy-poll the engine's own core;
-            # vllm_plugin.py (loaded by vLLM in the engine processes) makes it pause between polls.
-            os.environ.setdefault(vllm_plugin.ENV, "200")
-            # ... and the connector would move the engine's computing thread to the host's last core.
-            os.environ.setdefault(vllm_plugin.KEEP_CORES_ENV, "1")
         if not torch.cuda.is_available():
-            # vLLM's engine-core and executor processes would spin on their shared-memory queues
-            # through every step, on cores the engines compute on (vllm_plugin.py).
+            # CPU engines (vllm_plugin.py, loaded by vLLM in the engine processes): vLLM's engine-core
+            # and executor processes would spin on their shared-memory queues through every step, on
+            # cores the engines compute on.
             os.environ.setdefault(vllm_plugin.PAUSE_ENV, vllm_plugin.POLL_PAUSE_US)
+            if self.kv_transfer:
+                # CPU KV buffers: NIXL's progress thread would busy-poll the engine's own core...
+                os.environ.setdefault(vllm_plugin.ENV, "200")
+                # ... and the connector would move the engine's computing thread to the host's last core.
+                os.environ.setdefault(vllm_plugin.KEEP_CORES_ENV, "1")
 
     def _engine_args(self) -> Any:
         import torch

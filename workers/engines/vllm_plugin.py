@@ -51,6 +51,7 @@ thread) keep the reserved core, as vLLM intended.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
@@ -66,14 +67,18 @@ def register() -> None:
     _connector_keeps_engine_cores()
 
 
+def _vllm_class(module: str, name: str) -> type | None:
+    """A class of vLLM's to patch, or None where this vLLM (or machine) has no such module or class."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
 def _connector_keeps_engine_cores() -> None:
     if not os.environ.get(KEEP_CORES_ENV) or not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-    except ImportError:
-        return
-    cls = getattr(base_worker, "NixlBaseConnectorWorker", None)
+    cls = _vllm_class("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlBaseConnectorWorker")
     if cls is not None:
         keep_thread_cores(cls)
 
@@ -99,11 +104,7 @@ def _sleeping_queue_readers() -> None:
     value = os.environ.get(PAUSE_ENV)
     if not value:
         return
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:
-        return
-    cls = getattr(shm_broadcast, "SpinCondition", None)
+    cls = _vllm_class("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
     if cls is not None:
         pause_between_polls(cls, int(value) / 1e6)
 
