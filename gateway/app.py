@@ -1,80 +1,69 @@
-"""The gateway's FastAPI app: OpenAI-compatible endpoints in front of the Redis fleet.
+"""The gateway's FastAPI app: vLLM's OpenAI server in front of the Redis fleet.
 
-Request path (each step can refuse with an OpenAI error before the next runs,
-so a refused request never reaches a queue):
-auth -> body size -> validation -> model -> tokenize -> context length ->
-SLO -> route -> needed worker roles alive -> subscribe (confirmed) -> enqueue
--> relay frames to the client (SSE or one JSON body) -> unsubscribe.
+Request path of a generation route (each step can refuse with an OpenAI error
+before the next runs, so a refused request never reaches a queue):
+auth -> rate limit -> body size -> JSON -> Skyline's `slo` extension ->
+vLLM's request model (its 400s) -> vLLM's serving code (rendering, tools,
+sampling parameters, its 400s) -> FleetClient.generate per prompt (vLLM's
+engine-side checks, SLO, route, live workers, admission, subscribe, enqueue)
+-> the fleet's frames as vLLM outputs -> vLLM's response or SSE chunks, with
+Skyline's `skyline` extension added -> unsubscribe.
 Abandoned requests (client gone, timeout) are cancelled in the fleet.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
+import json
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
-from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline import messages, redisconn
+from skyline import redisconn
 from skyline.config import SkylineConfig
-from skyline.gateway.admission import apply_admission, learn, policy_of, stage_of
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
-from skyline.gateway.errors import ApiError, HeaderLimit, install_handlers
-from skyline.gateway.fleetview import START_HINT, FleetView
+from skyline.gateway.dispatch import Dispatcher
+from skyline.gateway.errors import ApiError, HeaderLimit, from_vllm, install_handlers
+from skyline.gateway.fleet_client import CLIENT_CLOSED, SCOPE, RequestScope, fleet_client_class
+from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver, add_timeline_route, api_key_of
+from skyline.gateway.openai_api import Frontend, build_frontend
+from skyline.gateway.prepare import Serving, check_auth, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter
-from skyline.gateway.prepare import Prepared, Serving, check_auth, needed_roles, parse, prepare, read_body
-from skyline.gateway.relay import Relay, RelayUnavailable
-from skyline.gateway.responses import DONE, Shaper, error_event
-from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from skyline.gateway.session import Disconnected, Session
+from skyline.gateway.relay import Relay
 from skyline.keys import Keys
 from skyline.scheduler.admission import TtftCalibration
-from skyline.scheduler.disagg import route
 from skyline.scheduler.rate_limit import RateLimit
-from skyline.streams import enqueue, ensure_groups, now_ms, release_backlog
-from skyline.tokenizer import Tokenizer
+from skyline.streams import ensure_groups, now_ms
 
 log = logging.getLogger("skyline.gateway")
 
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
+DONE = "data: [DONE]\n\n"
 
 
-@dataclass
-class _State:
-    """Connections owned by the app's lifespan."""
-
-    redis: aioredis.Redis | None = None
-    relay: Relay | None = None
-    fleet: FleetView | None = None
-    background: set[asyncio.Task] = field(default_factory=set)  # cancel publishes in flight
-
-
-def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_model_len: int) -> FastAPI:
-    """The gateway app. Its lifespan connects Redis (`cfg.redis.url`), creates the consumer
-    groups, starts the token relay and the worker-role cache; shutting down closes them."""
-    serving = Serving(cfg, tokenizer, served_model, max_model_len)
+def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len: int) -> FastAPI:
+    """The gateway app for the model at `model_path` (its config and tokenizer; no weights).
+    Its lifespan connects Redis (`cfg.redis.url`), creates the consumer groups, starts the
+    token relay and the worker-role cache; shutting down closes them."""
+    serving = Serving(cfg, served_model, max_model_len)
     keys = Keys(cfg.key_prefix)
     metrics = GatewayMetrics()
     observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record
-    admission_policy = policy_of(cfg)
     calibration = TtftCalibration() if cfg.gateway.ttft_calibration else None
+    dispatcher = Dispatcher(cfg, serving, keys, metrics, observer, calibration)
+    front = build_frontend(cfg, fleet_client_class(), dispatcher, model_path, served_model, max_model_len)
     rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
-    state = _State()
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +79,7 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
         except BaseException:
             await r.aclose()
             raise
-        state.redis, state.relay, state.fleet = r, relay, fleet
+        dispatcher.redis, dispatcher.relay, dispatcher.fleet = r, relay, fleet
         observer.start(r)
         log.info("gateway serving %r (max_model_len %d, mode %s) with Redis at %s",
                  served_model, max_model_len, cfg.gateway.mode, redisconn.describe(cfg.redis))
@@ -100,215 +89,55 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
             await fleet.close()
             await observer.close()
             await relay.close()
-            if state.background:  # let pending cancels reach Redis
-                await asyncio.wait(state.background, timeout=2.0)
+            if dispatcher.background:  # let pending cancels reach Redis
+                await asyncio.wait(dispatcher.background, timeout=2.0)
             await r.aclose()
 
     app = FastAPI(title="Skyline gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.args = SimpleNamespace(log_error_stack=False)  # read by vLLM's validation error handler
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
-    app.include_router(batch_router(cfg, lambda: state.redis))  # OpenAI Batch API (gateway/batch_routes.py)
-
-    async def generate(request: Request, kind: str) -> Response:
-        t_arrival = time.perf_counter()
-        arrival_ms = now_ms()
-        prep: Prepared | None = None
-        try:
-            check_auth(request, cfg.gateway.api_keys)
-            rate_limiter.check(api_key_of(request))  # before any work: a flooding tenant costs the least
-            raw = await read_body(request, cfg.gateway.max_body_bytes)
-            body = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
-            prep = await prepare(serving, kind, body, request, arrival_ms, t_arrival)
-            session = await _submit(prep)
-            prep = session.prep  # admission control may have demoted it
-            observer.enqueued(prep, request, session.t_enqueue_ms)
-        except ApiError as exc:
-            metrics.count(prep.slo.tier if prep else "", prep.route if prep else "", exc.status)
-            observer.refused(prep, request, exc)
-            raise
-        headers = {"x-skyline-request-id": prep.request.request_id, "x-skyline-tier": prep.slo.tier,
-                   "x-skyline-route": prep.route}
-        try:
-            if prep.stream:
-                return await _stream(session, request, headers)
-            return await _collect(session, request, headers)
-        except ApiError as exc:
-            exc.headers = {**(exc.headers or {}), **headers}
-            raise
-
-    async def _submit(prep: Prepared) -> Session:
-        """Check the fleet can serve the request, subscribe to its output, enqueue it."""
-        fleet, relay, r = state.fleet, state.relay, state.redis
-        assert fleet is not None and relay is not None and r is not None
-        if not prep.route_fixed and prep.route == "disagg":
-            # Queue depth is part of the route decision: re-decide with the cached prefill backlog.
-            path = route(serving.policy, len(prep.request.prompt_token_ids), fleet.prefill_backlog_tokens)
-            if path != prep.route:
-                prep = replace(prep, route=path, request=replace(prep.request, route=path))
-        missing = await fleet.missing(needed_roles(prep.route))
-        if fleet.error:
-            raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")
-        if missing:
-            hint = " and ".join(f"`{START_HINT[role]}`" for role in missing)
-            raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
-                                f"start one with {hint}", code="no_workers",
-                           headers={"Retry-After": "1"})
-        if cfg.gateway.admission:
-            try:
-                prep = await apply_admission(cfg, admission_policy, r, keys, fleet, prep, metrics, calibration)
-            except (RedisError, OSError) as exc:
-                raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
-        try:
-            return await _subscribe_and_enqueue(prep)
-        except ApiError:
-            if cfg.gateway.admission:  # the reservation made by admission control is void
-                with contextlib.suppress(RedisError, OSError):
-                    await release_backlog(r, keys, stage_of(prep.route), prep.request.tier,
-                                          len(prep.request.prompt_token_ids))
-            raise
-
-    async def _subscribe_and_enqueue(prep: Prepared) -> Session:
-        relay, r = state.relay, state.redis
-        assert relay is not None and r is not None
-        try:
-            sub = await relay.subscribe(prep.request.request_id)
-        except RelayUnavailable as exc:
-            raise ApiError(503, str(exc), code="relay_unavailable") from None
-        session = Session(prep, sub, relay, r, keys, cfg.gateway, metrics, state.background)
-        session.on_close.append(observer.closed)
-        if calibration is not None:
-            session.on_close.append(functools.partial(learn, calibration))
-        if prep.route == "disagg":
-            stage, msg = "prefill", prep.request
-        else:
-            stage, msg = "decode", messages.DecodeWork(request=prep.request, kv_handle=None)
-        try:
-            session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
-            await enqueue(r, keys, stage, msg, cfg.redis.stream_maxlen, backlog_reserved=cfg.gateway.admission)
-        except (RedisError, OSError) as exc:
-            session.finished = True  # never enqueued: nothing to cancel
-            session.close(503)
-            raise ApiError(503, f"could not enqueue the request: {exc}", code="redis_unavailable") from None
-        return session
-
-    async def _collect(session: Session, request: Request, headers: dict[str, str]) -> Response:
-        """Non-streaming: gather the output, answer once."""
-        shaper = Shaper(session.prep.kind, session.request_id, served_model, session.prep.created)
-        texts: list[str] = []
-        status = 500
-        fin = None
-        try:
-            while True:
-                for f in await session.frames(request):
-                    if isinstance(f, messages.TokenDelta):
-                        texts.append(f.text)
-                    elif isinstance(f, messages.Finished):
-                        fin = f
-                        status = 200
-                        body = shaper.body("".join(texts), f.finish_reason, session.usage(f), session.skyline(f))
-                        return JSONResponse(body, headers=headers)
-                    elif isinstance(f, messages.Failed):
-                        err = _failed_error(f)
-                        status = err.status
-                        raise err
-        except Disconnected:
-            status = CLIENT_CLOSED
-            session.cancel("client_disconnected")
-            return Response(status_code=CLIENT_CLOSED)
-        except ApiError as exc:
-            status = exc.status
-            session.cancel("timeout" if exc.status in (503, 504) else "gateway_abort")
-            raise
-        finally:
-            session.close(status, fin)
-
-    async def _stream(session: Session, request: Request, headers: dict[str, str]) -> Response:
-        """Streaming: wait for the first frame before committing to 200, so that a request
-        that fails before producing anything still gets a real HTTP error status."""
-        try:
-            first = await session.frames(request)
-        except Disconnected:
-            session.cancel("client_disconnected")
-            session.close(CLIENT_CLOSED)
-            return Response(status_code=CLIENT_CLOSED)
-        except BaseException as exc:
-            if isinstance(exc, ApiError):
-                session.cancel("timeout")
-            session.close(getattr(exc, "status", 500))
-            raise
-        if isinstance(first[0], messages.Failed):
-            err = _failed_error(first[0])
-            session.close(err.status)
-            raise err
-        shaper = Shaper(session.prep.kind, session.request_id, served_model, session.prep.created)
-        return StreamingResponse(_sse(session, shaper, first), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
-
-    async def _sse(session: Session, shaper: Shaper, batch: list[messages.Message]) -> AsyncIterator[bytes]:
-        status, fin = 200, None
-        out: list[bytes] = [shaper.role()] if shaper.chat else []
-        try:
-            while True:
-                carry = ""
-                for i, f in enumerate(batch):
-                    if isinstance(f, messages.TokenDelta):
-                        if i + 1 < len(batch) and isinstance(batch[i + 1], messages.Finished):
-                            carry = f.text  # the finish chunk carries the last text: one chunk fewer
-                            continue
-                        if f.text:
-                            out.append(shaper.content(f.text))
-                    elif isinstance(f, messages.Finished):
-                        fin = f
-                        ext = session.skyline(f)
-                        if session.prep.include_usage:
-                            out.append(shaper.finish(carry, f.finish_reason, None))
-                            out.append(shaper.usage_chunk(session.usage(f), ext))
-                        else:
-                            out.append(shaper.finish(carry, f.finish_reason, ext))
-                        out.append(DONE)
-                        yield b"".join(out)
-                        return
-                    elif isinstance(f, messages.Failed):
-                        status = f.status
-                        out += (error_event(f), DONE)
-                        yield b"".join(out)
-                        return
-                if out:
-                    yield b"".join(out)
-                    out = []
-                try:
-                    batch = await session.frames()
-                except ApiError as exc:
-                    status = exc.status
-                    session.cancel("timeout")
-                    yield error_event(messages.Failed(session.request_id, 0, exc.status, exc.message,
-                                                      exc.type, exc.code)) + DONE
-                    return
-        except BaseException:
-            # Cancelled by Starlette when the client disconnects (or the generator was closed):
-            # close() below cancels the request in the fleet without awaiting.
-            status = CLIENT_CLOSED
-            raise
-        finally:
-            session.close(status, fin)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
+    app.include_router(batch_router(cfg, lambda: dispatcher.redis))  # OpenAI Batch API (gateway/batch_routes.py)
+    generation = _GenerationRoutes(cfg, front, rate_limiter, metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat")
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return await generation.serve(request, "chat", ChatCompletionRequest, front.chat.create_chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return await generation.serve(request, "completion", CompletionRequest, front.completion.create_completion)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return await generation.serve(request, "responses", ResponsesRequest, _stateless(front))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
+
+        return await generation.plain(request, TokenizeRequest, front.tokenization.create_tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        return await generation.plain(request, DetokenizeRequest, front.tokenization.create_detokenize)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
+    async def models(request: Request) -> JSONResponse:
         check_auth(request, cfg.gateway.api_keys)
-        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": started,
-                                             "owned_by": "skyline", "max_model_len": max_model_len}]}
+        return JSONResponse((await front.models.show_available_models()).model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        r, fleet, relay = state.redis, state.fleet, state.relay
+        r, fleet, relay = dispatcher.redis, dispatcher.fleet, dispatcher.relay
         try:
             assert r is not None and fleet is not None and relay is not None
             async with asyncio.timeout(1.0):
@@ -321,20 +150,219 @@ def create_app(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        if state.redis is not None and state.fleet is not None:
+        if dispatcher.redis is not None and dispatcher.fleet is not None:
             try:  # the fleet-wide queue gauges; without Redis the gateway's own metrics still render
-                await metrics.refresh_fleet(state.redis, keys, cfg.tier_names, dict(state.fleet.roles))
+                await metrics.refresh_fleet(dispatcher.redis, keys, cfg.tier_names, dict(dispatcher.fleet.roles))
             except (RedisError, OSError) as exc:
                 log.warning("metrics: cannot read the queues: %s", exc)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    add_timeline_route(app, cfg, keys, lambda: state.redis)
-    add_dashboard_routes(app, cfg, keys, lambda: (state.redis, state.fleet))
+    add_timeline_route(app, cfg, keys, lambda: dispatcher.redis)
+    add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet))
 
     return app
 
 
-def _failed_error(f: messages.Failed) -> ApiError:
-    """A worker's Failed frame as an HTTP error (a nonsense status becomes 500)."""
-    status = f.status if 400 <= f.status <= 599 else 500
-    return ApiError(status, f.message, type=f.type, code=f.code)
+def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
+    """/v1/responses without a response store: Skyline keeps no conversation state in the gateway."""
+
+    async def create(req: Any, raw: Request) -> Any:
+        if req.previous_response_id is not None:
+            raise ApiError(400, "previous_response_id needs a response store, which Skyline does not keep; "
+                                "send the whole conversation in `input`", param="previous_response_id")
+        if req.store:
+            raise ApiError(400, "`store: true` is not supported by Skyline (no response store); send "
+                                "`store: false`", param="store")
+        if req.background:
+            raise ApiError(400, "`background: true` needs a response store, which Skyline does not keep",
+                           param="background")
+        return await front.responses.create_responses(req, raw)
+
+    return create
+
+
+class _GenerationRoutes:
+    """What every generation route does around vLLM's serving call."""
+
+    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, metrics: GatewayMetrics):
+        self.cfg = cfg
+        self.front = front
+        self.rate_limiter = rate_limiter
+        self.metrics = metrics
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        check_auth(request, self.cfg.gateway.api_keys)
+        self.rate_limiter.check(api_key_of(request))  # before any work: a flooding tenant costs the least
+        return json_body(await read_body(request, self.cfg.gateway.max_body_bytes))
+
+    async def plain(self, request: Request, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
+        """A route that never reaches the fleet (tokenize, detokenize)."""
+        body = await self._body(request)
+        try:
+            req = _validate(model, body)
+        except ValidationError as exc:
+            return await _validation_response(request, exc)
+        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise its own errors directly
+            raise from_vllm(exc) from None
+        return _plain_response(await handler(req, request))
+
+    async def serve(self, request: Request, kind: str, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
+        t_arrival, arrival_ms = time.perf_counter(), now_ms()
+        try:
+            body = await self._body(request)
+            spec = pop_slo(body)
+        except ApiError as exc:
+            self.metrics.count("", "", exc.status)
+            raise
+        try:
+            req = _validate(model, body)
+        except ValidationError as exc:
+            self.metrics.count("", "", 400)
+            return await _validation_response(request, exc)
+        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise its own errors directly
+            self.metrics.count("", "", 400)
+            raise from_vllm(exc) from None
+        if getattr(req, "use_beam_search", False):
+            self.metrics.count("", "", 400)
+            raise ApiError(400, "`use_beam_search` is not supported by Skyline: beam search would run one fleet "
+                                "request per step; use n or sampling instead", param="use_beam_search")
+        stream = bool(getattr(req, "stream", False))
+        options = getattr(req, "stream_options", None)
+        scope = RequestScope(request, kind, spec, arrival_ms, t_arrival, stream,
+                             bool(stream and options is not None and getattr(options, "include_usage", False)),
+                             "request_id" in body or "x-request-id" in request.headers)
+        token = SCOPE.set(scope)
+        try:
+            try:
+                result = await handler(req, request)
+            except ApiError:
+                raise
+            except asyncio.CancelledError:
+                scope.close_all(CLIENT_CLOSED)
+                raise
+            except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
+                scope.close_all(500)
+                raise scope.error or from_vllm(exc) from None
+            if not stream or not hasattr(result, "__anext__"):
+                return self._once(scope, result)
+            return await self._stream(scope, result)
+        except ApiError as exc:
+            scope.close_all(exc.status)
+            if scope.preps:
+                exc.headers = {**(exc.headers or {}), **_headers(scope)}
+            raise
+        finally:
+            SCOPE.reset(token)
+
+    def _once(self, scope: RequestScope, result: Any) -> Response:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            if scope.error is not None:
+                raise scope.error
+            if scope.client_gone:
+                return Response(status_code=CLIENT_CLOSED)
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        body = result.model_dump()
+        ext = _skyline(scope)
+        if ext is not None:
+            body["skyline"] = ext
+        return JSONResponse(body, headers=_headers(scope))
+
+    async def _stream(self, scope: RequestScope, chunks: Any) -> Response:
+        """Wait for the first chunk before committing to 200, so that a request that fails
+        before producing anything still gets a real HTTP error status."""
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if scope.error is not None and not scope.started:
+            await chunks.aclose()
+            raise scope.error
+        return StreamingResponse(_sse(scope, first, chunks), media_type="text/event-stream",
+                                 headers={**_headers(scope), "cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _sse(scope: RequestScope, first: str | None, chunks: Any) -> AsyncIterator[bytes]:
+    """vLLM's chunks as they come. The last one before [DONE] gets the `skyline` extension, so a chunk
+    that may be the last (it closes a choice or carries the usage) waits for the next one; content
+    chunks (`"finish_reason":null`) are never held back."""
+    held: str | None = None
+    status = CLIENT_CLOSED
+    try:
+        pending = [first] if first is not None else []
+        async for chunk in _chain(pending, chunks):
+            if held is not None:
+                yield (_with_skyline(held, scope) if chunk == DONE else held).encode()
+                held = None
+            if chunk != DONE and '"finish_reason":null' not in chunk:
+                held = chunk
+            else:
+                yield chunk.encode()
+        if held is not None:
+            yield held.encode()
+        status = 200
+    finally:
+        scope.close_all(status)  # sessions still open here were abandoned (client gone mid-stream)
+
+
+async def _chain(head: list[str], rest: Any) -> AsyncIterator[str]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
+def _with_skyline(chunk: str, scope: RequestScope) -> str:
+    ext = _skyline(scope)
+    if ext is None or not chunk.startswith("data: {"):
+        return chunk
+    try:
+        obj = json.loads(chunk[len("data: "):])
+    except ValueError:
+        return chunk
+    if "error" in obj:
+        return chunk
+    obj["skyline"] = ext
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _skyline(scope: RequestScope) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """How the request was served: one object, or one per prompt of a batched completion."""
+    done = [s.skyline(fin) for s, fin in scope.finals]
+    if not done:
+        return None
+    return done[0] if len(done) == 1 else done
+
+
+def _headers(scope: RequestScope) -> dict[str, str]:
+    if not scope.preps:
+        return {}
+    prep = scope.preps[0]
+    return {"x-skyline-request-id": prep.request.request_id, "x-skyline-tier": prep.slo.tier,
+            "x-skyline-route": prep.route}
+
+
+def _validate(model: Any, body: dict[str, Any]) -> Any:
+    if isinstance(model, type):
+        return model.model_validate(body)
+    from pydantic import TypeAdapter  # a union of request models (/tokenize)
+
+    return TypeAdapter(model).validate_python(body)
+
+
+async def _validation_response(request: Request, exc: ValidationError) -> Response:
+    """vLLM's answer to a body its request models refuse (as FastAPI hands them to it)."""
+    from fastapi.exceptions import RequestValidationError
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+
+    errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors(include_url=False)]
+    return await validation_exception_handler(request, RequestValidationError(errors))
+
+
+def _plain_response(result: Any) -> Response:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(), status_code=result.error.code)
+    return JSONResponse(result.model_dump())

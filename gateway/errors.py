@@ -44,7 +44,7 @@ class ApiError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
     ):
@@ -65,6 +65,20 @@ class ApiError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_vllm(exc: Exception) -> ApiError:
+    """An exception from vLLM's serving code or checks, answered as vLLM's server answers it
+    (its status, type, parameter and message). Anything that is neither vLLM's nor one of the
+    exception types vLLM maps to client errors is an internal error: logged, never sent."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    if not isinstance(exc, (ValueError, TypeError, OverflowError, NotImplementedError)) and \
+            type(exc).__module__.split(".")[0] != "vllm":
+        log.error("unhandled error in vLLM's serving code", exc_info=exc)
+        return ApiError(500, "internal error in the Skyline gateway (see its log)", code="internal_error")
+    err = create_error_response(exc).error
+    return ApiError(int(err.code), err.message, param=err.param, type=err.type, code=int(err.code))
 
 
 def from_validation(errors: list[dict[str, Any]]) -> ApiError:

@@ -1,37 +1,48 @@
-"""From an HTTP request to a `GenerateRequest`: auth, body, parse, tokenize, size, SLO, route.
+"""From an HTTP request to a `GenerateRequest`: auth, body, SLO, route.
 
-Everything here runs before anything touches Redis, so a request rejected by
-any check leaves no trace in the queues. Each check raises `ApiError` with
-the OpenAI status, type and a message that names the offending value.
+vLLM's serving layer (gateway/openai_api.py) validates the body, renders and
+tokenizes the prompt and builds the sampling parameters; what is Skyline's is
+here: who may ask, how large a body may be, the request's SLO (tier, targets,
+deadline) and its route through the fleet. Everything runs before anything
+touches Redis, so a refused request leaves no trace in the queues. Each check
+raises `ApiError` with the OpenAI status, type and a message that names the
+offending value.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
+import json
 import time
-import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from skyline.config import SkylineConfig
-from skyline.messages import GenerateRequest
+from skyline.messages import GenerateRequest, SamplingSpec
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.tiers import Slo, SloError, resolve_slo
-from skyline.tokenizer import Tokenizer
 
 from skyline.gateway.errors import ApiError, from_validation
-from skyline.gateway.schemas import ChatCompletionRequest, CompletionRequest, _Common
 
-# Tokenizing a long prompt can take milliseconds of CPU; off the event loop it
-# does not stall every other stream. Short prompts are cheaper inline than a thread hop.
-TOKENIZE_IN_THREAD_CHARS = 2000
 ROUTES = ("disagg", "colocated")
 
-Body = TypeVar("Body", bound=_Common)
+
+class SloSpec(BaseModel):
+    """Skyline extension: `"slo": {"tier": "interactive", "ttft_ms": 500, "tpot_ms": 100}`.
+
+    Targets may only tighten the tier's (see `skyline.scheduler.tiers.resolve_slo`).
+    The headers `x-slo-tier`, `x-slo-ttft-ms`, `x-slo-tpot-ms` take precedence.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str | None = None
+    ttft_ms: int | None = Field(default=None, gt=0)
+    tpot_ms: int | None = Field(default=None, gt=0)
+    allow_demotion: bool = False  # header x-slo-allow-demotion: true
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,6 @@ class Serving:
     """What the gateway serves: fixed for the life of the app."""
 
     cfg: SkylineConfig
-    tokenizer: Tokenizer
     served_model: str
     max_model_len: int
 
@@ -53,7 +63,7 @@ class Serving:
 class Prepared:
     """A validated request, ready to enqueue."""
 
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat", "completion" or "responses"
     request: GenerateRequest
     slo: Slo
     route: str
@@ -100,52 +110,56 @@ def _too_large(size: int, max_bytes: int) -> ApiError:
                     code="request_too_large")
 
 
-def parse(model: type[Body], raw: bytes) -> Body:
+def json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (vLLM's request models validate its fields)."""
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def pop_slo(body: dict[str, Any]) -> SloSpec | None:
+    """Take Skyline's `slo` extension out of the body (vLLM's models would log it as ignored)."""
+    spec = body.pop("slo", None)
+    if spec is None:
+        return None
+    try:
+        return SloSpec.model_validate(spec)
     except ValidationError as exc:
-        raise from_validation(exc.errors()) from None
+        err = from_validation([{**e, "loc": ("slo", *e.get("loc", ()))} for e in exc.errors()])
+        raise ApiError(400, err.message, param=err.param, code="invalid_slo") from None
 
 
-async def prepare(serving: Serving, kind: str, body: CompletionRequest | ChatCompletionRequest,
-                  request: Request, arrival_ms: int, t_arrival: float) -> Prepared:
-    """Validate `body` against what is served and build the message to enqueue."""
-    cfg = serving.cfg
-    if body.model != serving.served_model:
-        raise ApiError(400, f"model {body.model!r} is not served here; this gateway serves {serving.served_model!r}",
-                       param="model", code="model_not_found")
+def sampling_spec(params: Any) -> SamplingSpec:
+    """Skyline's view of vLLM `SamplingParams`, carrying the whole of them in `params`."""
+    import msgspec
 
-    prompt_ids = await _tokenize(serving.tokenizer, body)
-    prompt_len = len(prompt_ids)
-    limit = serving.max_model_len
-    if prompt_len == 0:
-        raise ApiError(400, "the prompt is empty", param="messages" if kind == "chat" else "prompt")
-    if prompt_len > limit - 1:
-        raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                            f"{prompt_len} tokens (at most {limit - 1} leave room for one output token)",
-                       param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
-    asked = body.requested_max_tokens()
-    if asked is None:
-        max_tokens = min(cfg.gateway.max_tokens_default, limit - prompt_len)
-    elif prompt_len + asked > limit:
-        field = "max_completion_tokens" if kind == "chat" and body.max_completion_tokens is not None else "max_tokens"
-        raise ApiError(400, f"this model's maximum context length is {limit} tokens, but {prompt_len + asked} "
-                            f"were requested ({prompt_len} in the prompt, {asked} in {field}); "
-                            f"lower {field} to at most {limit - prompt_len}",
-                       param=field, code="context_length_exceeded")
-    else:
-        max_tokens = asked
+    return SamplingSpec(
+        max_tokens=int(params.max_tokens or 0), temperature=float(params.temperature), top_p=float(params.top_p),
+        top_k=int(params.top_k or 0) if (params.top_k or 0) > 0 else 0, seed=params.seed,
+        stop=list(params.stop or []), stop_token_ids=list(params.stop_token_ids or []),
+        ignore_eos=bool(params.ignore_eos), presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty), n=int(params.n),
+        params=msgspec.to_builtins(params),
+    )
 
-    slo = _slo(cfg, body, request, arrival_ms)
-    path = _route(serving, request, prompt_len)
-    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+
+def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None, request_id: str,
+            prompt_ids: list[int], params: Any, stream: bool, include_usage: bool, arrival_ms: int,
+            t_arrival: float) -> Prepared:
+    """The message to enqueue for one prompt of a request vLLM's serving layer has validated."""
+    slo = _slo(serving.cfg, spec, request, arrival_ms)
+    path = _route(serving, request, len(prompt_ids))
     gen = GenerateRequest(
-        request_id=prefix + uuid.uuid4().hex,
+        request_id=request_id,
         model=serving.served_model,
         prompt_token_ids=prompt_ids,
-        sampling=body.sampling(max_tokens),
+        sampling=sampling_spec(params),
         tier=slo.tier,
         arrival_ms=arrival_ms,
         deadline_ms=slo.deadline_ms,
@@ -155,34 +169,13 @@ async def prepare(serving: Serving, kind: str, body: CompletionRequest | ChatCom
         route=path,
     )
     demotion = request.headers.get("x-slo-allow-demotion", "").lower() in ("1", "true", "yes") or bool(
-        body.slo and body.slo.allow_demotion)
-    return Prepared(kind, gen, slo, path, bool(body.stream), body.include_usage(), int(time.time()), t_arrival,
+        spec and spec.allow_demotion)
+    return Prepared(kind, gen, slo, path, stream, include_usage, int(time.time()), t_arrival,
                     allow_demotion=demotion, route_fixed="x-skyline-route" in request.headers)
 
 
-async def _tokenize(tok: Tokenizer, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
-        return list(body.prompt)  # already token ids
-    if isinstance(body, ChatCompletionRequest):
-        fn, arg = tok.apply_chat_template, body.chat_messages()
-    else:
-        fn, arg = tok.encode, body.prompt
-    try:
-        if body.prompt_chars() > TOKENIZE_IN_THREAD_CHARS:
-            return await asyncio.to_thread(fn, arg)
-        return fn(arg)
-    except Exception as exc:
-        if isinstance(body, ChatCompletionRequest):
-            # Chat templates raise on conversations they do not accept (e.g. roles that do not
-            # alternate): that is the client's request, not a gateway fault.
-            raise ApiError(400, f"the model's chat template rejected the messages: {exc}",
-                           param="messages", code="invalid_messages") from None
-        raise
-
-
-def _slo(cfg: SkylineConfig, body: _Common, request: Request, arrival_ms: int) -> Slo:
+def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms: int) -> Slo:
     """Tier and targets: headers win over the body's `slo` extension, both over tier defaults."""
-    spec = body.slo
     h = request.headers
     tier = h.get("x-slo-tier") or (spec.tier if spec else None)
     ttft = _int_header(h.get("x-slo-ttft-ms"), "x-slo-ttft-ms")
@@ -202,7 +195,7 @@ def _int_header(value: str | None, name: str) -> int | None:
         return None
     try:
         return int(float(value))
-    except ValueError:
+    except (ValueError, OverflowError):  # "abc"; "inf", "1e400"
         raise ApiError(400, f"header {name} must be a number of milliseconds, got {value!r}",
                        param=name, code="invalid_slo") from None
 

@@ -6,17 +6,16 @@ import uvicorn
 
 from skyline.config import SkylineConfig
 from skyline.gateway.app import create_app
-from skyline.tokenizer import Tokenizer
 
 
-def serve(cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_model_len: int) -> None:
+def serve(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len: int) -> None:
     """Serve until interrupted on `cfg.gateway.host:port`.
 
     uvloop and httptools are the fastest event loop and HTTP parser uvicorn
     supports; the access log is off because a log line per request costs more
     than the gateway's whole hot path (metrics count requests instead).
     """
-    app = create_app(cfg, tokenizer, served_model, max_model_len)
+    app = create_app(cfg, model_path, served_model, max_model_len)
     uvicorn.run(
         app,
         host=cfg.gateway.host,

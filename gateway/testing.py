@@ -21,17 +21,21 @@ from skyline.config import SkylineConfig
 from skyline.fleet import WorkerInfo, heartbeat
 from skyline.gateway.app import create_app
 from skyline.keys import Keys
-from skyline.tokenizer import Tokenizer
 
 
 class GatewayThread:
-    """`with GatewayThread(cfg, tok, "model", 2048) as gw:` -> `gw.url` ("http://127.0.0.1:PORT")."""
+    """`with GatewayThread(cfg, model_path, "model", 2048) as gw:` -> `gw.url` ("http://127.0.0.1:PORT").
+    `model_path` None: the sim engine's byte tokenizer (skyline/sim_model.py)."""
 
-    def __init__(self, cfg: SkylineConfig, tokenizer: Tokenizer, served_model: str, max_model_len: int,
+    def __init__(self, cfg: SkylineConfig, model_path: str | None, served_model: str, max_model_len: int,
                  port: int | None = None):
+        if model_path is None:
+            from skyline.sim_model import sim_model_dir
+
+            model_path = str(sim_model_dir())
         port = port or _free_port()
         self.cfg = replace(cfg, gateway=replace(cfg.gateway, host="127.0.0.1", port=port))
-        app = create_app(self.cfg, tokenizer, served_model, max_model_len)
+        app = create_app(self.cfg, model_path, served_model, max_model_len)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",
                                 access_log=False, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)

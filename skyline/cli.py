@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-port", type=int, default=6399, help="port of the local Redis `up` starts")
     up.add_argument("--redis-persistence", choices=["none", "aof"], default="none")
     up.add_argument("--api-key", action="append", help="require this API key (repeatable)")
+    _openai_surface(up)
     up.add_argument("--metrics-port-base", type=int, default=9100,
                     help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); "
                          "0 = free ports")
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--min-remote-prefill-tokens", type=int,
                     help="disagg: prompts shorter than this are prefilled on the decode worker (default 256; 0 = never)")
     gw.add_argument("--api-key", action="append", help="require this API key (repeatable; env SKYLINE_API_KEYS)")
+    _openai_surface(gw)
 
     wk = sub.add_parser("worker", help="run a prefill or decode worker")
     wk.add_argument("role", choices=["prefill", "decode"])
@@ -143,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _openai_surface(p: argparse.ArgumentParser) -> None:
+    """vllm serve's flags for the OpenAI surface, under the same names (gateway config keys)."""
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="tool_choice 'auto': the model decides when to call tools (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", help="one of vLLM's tool parsers, e.g. hermes, llama3_json, pythonic")
+    p.add_argument("--reasoning-parser", help="one of vLLM's reasoning parsers, e.g. deepseek_r1, qwen3")
+    p.add_argument("--chat-template", help="a chat template file or the template itself (default: the model's)")
+
+
 def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     g = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent from a subcommand read as None
     api_keys = g("api_key") or ([k for k in os.environ.get("SKYLINE_API_KEYS", "").split(",") if k] or None)
@@ -158,7 +169,9 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
                    "advertise_host": g("advertise_host") or os.environ.get("SKYLINE_ADVERTISE_HOST"),
                    "metrics_port": g("metrics_port")},
         "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys,
-                    "min_remote_prefill_tokens": g("min_remote_prefill_tokens")},
+                    "min_remote_prefill_tokens": g("min_remote_prefill_tokens"),
+                    "enable_auto_tool_choice": g("enable_auto_tool_choice"), "tool_call_parser": g("tool_call_parser"),
+                    "reasoning_parser": g("reasoning_parser"), "chat_template": g("chat_template")},
         "observability": {"log_format": g("log_format")},
     }
     cfg = load_config(g("config") or os.environ.get("SKYLINE_CONFIG"), overrides)
@@ -250,14 +263,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(up(cfg, args))
     elif args.command == "gateway":
         from skyline.gateway.server import serve
-        from skyline.tokenizer import load_tokenizer
 
         from skyline.advertise import gateway_bind_warning
 
         if warning := gateway_bind_warning(cfg):
             logging.getLogger("skyline.gateway").warning(warning)
         path, name = model_identity(cfg)
-        serve(cfg, load_tokenizer(cfg.engine.kind, path), name, cfg.engine.max_model_len)
+        if cfg.engine.kind == "sim":  # the gateway renders and tokenizes with the sim engine's byte tokenizer
+            from skyline.sim_model import sim_model_dir
+
+            path = str(sim_model_dir())
+        serve(cfg, path, name, cfg.engine.max_model_len)
     elif args.command == "worker":
         from skyline.advertise import with_advertised_addresses
         from skyline.workers.main import main as worker_main

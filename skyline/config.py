@@ -156,7 +156,13 @@ class GatewayConfig:
     rate_limit_burst: int = 10
     max_body_bytes: int = 1_000_000
     max_header_bytes: int = 32_768  # all request headers together; larger -> 431
-    max_tokens_default: int = 256  # `max_tokens` when the request omits it (capped by context)
+    # The OpenAI surface, as `vllm serve` takes it (gateway/openai_api.py runs vLLM's serving code):
+    # --enable-auto-tool-choice, --tool-call-parser NAME, --reasoning-parser NAME, --chat-template FILE|TEXT.
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str = ""  # one of vLLM's tool parsers (e.g. "hermes", "llama3_json", "pythonic"); "" = none
+    reasoning_parser: str = ""  # one of vLLM's reasoning parsers (e.g. "deepseek_r1", "qwen3"); "" = none
+    chat_template: str = ""  # a file or the template itself; "" = the model's own
+    response_role: str = "assistant"  # the role of generated chat messages
     request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
     first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
     worker_liveness_s: float = 10.0  # a worker whose heartbeat is older is treated as gone (<= heartbeat_ttl_s)

@@ -36,6 +36,17 @@ def _cores() -> list[int]:
 METRICS_PORT_BASE = 9100
 
 
+def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
+    """The gateway's tool/reasoning/chat-template settings as its flags (vllm serve's names)."""
+    g = cfg.gateway
+    out = ["--enable-auto-tool-choice"] if g.enable_auto_tool_choice else []
+    for flag, value in (("--tool-call-parser", g.tool_call_parser), ("--reasoning-parser", g.reasoning_parser),
+                        ("--chat-template", g.chat_template)):
+        if value:
+            out += [flag, value]
+    return out
+
+
 def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
                  metrics_port_base: int = METRICS_PORT_BASE) -> list[tuple[str, list[str]]]:
     """(name, extra CLI args) per worker. Real engines are pinned round-robin to
@@ -150,7 +161,8 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
             env["SKYLINE_API_KEYS"] = ",".join(cfg.gateway.api_keys)
         common = _common_args(cfg, args)
-        gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode]
+        gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
+              *_openai_surface_args(cfg)]
         t0 = time.monotonic()
         _spawn("gateway", gw, env, procs)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)

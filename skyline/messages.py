@@ -20,7 +20,15 @@ import msgpack
 
 @dataclass
 class SamplingSpec:
-    """The subset of OpenAI/vLLM sampling parameters Skyline forwards to engines."""
+    """Sampling as the fleet sees it.
+
+    `params` is the request's complete vLLM `SamplingParams` (as plain builtins,
+    `msgspec.to_builtins`), built by vLLM's own request models in the gateway: a
+    vLLM engine runs exactly those. The named fields are the part Skyline's own
+    code reads (scheduling, migration, the sim engine); they are copied from
+    `params` at the gateway, and `max_tokens` is the one a worker may lower (a
+    migrated stream continues with what is left).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -32,6 +40,8 @@ class SamplingSpec:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    n: int = 1  # choices; vLLM's own `n` in one engine (the prompt's KV is shared by them)
+    params: dict[str, Any] | None = None  # vLLM SamplingParams builtins; None = only the fields above
 
 
 @dataclass
@@ -78,15 +88,23 @@ class DecodeWork:
     prefill_worker: str = ""
     prefill_started_ms: int = 0
     prefill_finished_ms: int = 0
+    # Prompt logprobs computed where the prompt was computed (the prefill engine), when asked
+    # for: the decode engine only pulls the KV and never sees the prompt's logits.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
 class TokenDelta:
-    """New output of one request: token ids and the text they decode to.
+    """New output of one choice of a request: token ids and the text they decode to.
 
     `seq` counts frames from 0 per request so the gateway can detect gaps and
     drop duplicates; `index` is the number of tokens streamed before this
-    frame (the position of `token_ids[0]` in the output).
+    frame (the position of `token_ids[0]` in the output) over all choices.
+    `logprobs` has one entry per token, each a list of
+    `[token_id, logprob, rank, decoded_token]` (the sampled token first, then
+    the top ones), as vLLM's `Logprob`s; `prompt_logprobs` (first frame only)
+    has one such entry, or None, per prompt token. `finish_reason` and
+    `stop_reason` close this choice (the request ends with `Finished`).
     """
 
     TAG: ClassVar[str] = "delta"
@@ -96,6 +114,12 @@ class TokenDelta:
     index: int
     token_ids: list[int]
     text: str
+    choice: int = 0
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass

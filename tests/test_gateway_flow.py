@@ -65,7 +65,7 @@ def fleet(redis_url, key_prefix):
     """A gateway plus a hand-played worker of each role."""
     cfg = make_cfg(redis_url, key_prefix)
     announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
-    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw:
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
         with ThreadPoolExecutor(2) as pool:
             yield gw, client, HandWorker(redis_url, Keys(key_prefix)), pool
@@ -89,9 +89,11 @@ def test_completion_non_stream(fleet):
     raw = fut.result()
     assert raw.headers["x-skyline-request-id"] == msg.request_id and raw.headers["x-skyline-tier"] == "standard"
     body = raw.http_response.json()
-    assert body["object"] == "text_completion" and body["id"] == msg.request_id and body["model"] == MODEL
+    # vLLM's completion serving names its one prompt's engine request <id>-0
+    assert body["object"] == "text_completion" and msg.request_id == body["id"] + "-0" and body["model"] == MODEL
     assert body["choices"][0]["text"] == "Hi you!" and body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+    usage = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert usage == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
     sky = body["skyline"]
     assert sky["tier"] == "standard" and sky["route"] == "disagg" and sky["slo_met"] is True
     assert sky["ttft_ms"] > 0 and sky["tpot_ms"] >= 0
@@ -119,7 +121,8 @@ def test_chat_stream_colocated_with_usage(fleet):
     expected = SimTokenizer().apply_chat_template([{"role": "system", "content": "Be brief."},
                                                    {"role": "user", "content": "Hello"}])
     assert msg.prompt_token_ids == expected and fields["prompt_tokens"] == str(len(expected)).encode()
-    assert msg.sampling.max_tokens == 256 and msg.sampling.temperature == 1.0  # OpenAI defaults
+    # vLLM's defaults: the rest of the context, temperature 1
+    assert msg.sampling.max_tokens == MAX_MODEL_LEN - len(expected) and msg.sampling.temperature == 1.0
     worker.send(*worker.script(msg.request_id, ["The", " answer", "."], finish="length"), gap_s=0.02)
     chunks = fut.result()
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -156,7 +159,7 @@ def test_raw_sse_shape_and_done(fleet):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert all(e.startswith("data: ") for e in events[:-1])
-    assert all(c["object"] == "text_completion" and c["id"] == msg.request_id for c in chunks)
+    assert all(c["object"] == "text_completion" and c["id"] + "-0" == msg.request_id for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == "xyz"
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
@@ -259,7 +262,7 @@ def test_timeouts(redis_url, key_prefix, cancels):
     keys = Keys(key_prefix)
     announce_workers(redis_url, keys, "prefill", "decode", model=MODEL)
     worker = HandWorker(redis_url, keys)
-    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
         t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError) as ei:
@@ -300,7 +303,7 @@ def test_short_prompts_prefilled_on_decode_worker(redis_url, key_prefix):
     keys = Keys(key_prefix)
     announce_workers(redis_url, keys, "decode", model=MODEL)  # a short prompt needs no prefill worker
     worker = HandWorker(redis_url, keys)
-    with GatewayThread(cfg, SimTokenizer(), MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
         fut = pool.submit(client.completions.create, model=MODEL, prompt="short")
         _f, work = worker.take("decode")

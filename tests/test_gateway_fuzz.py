@@ -40,7 +40,7 @@ bodies = st.one_of(plausible, values)
 def gateway(redis_url):
     cfg = SkylineConfig(redis=RedisConfig(url=redis_url), gateway=GatewayConfig(max_body_bytes=20_000),
                         key_prefix="fuzz")
-    with GatewayThread(cfg, SimTokenizer(), MODEL, 256) as gw:
+    with GatewayThread(cfg, None, MODEL, 256) as gw:
         yield gw, cfg
     assert all(n == 0 for n in stream_lengths(redis_url, cfg).values())
 

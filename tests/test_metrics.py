@@ -53,7 +53,7 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
     await wait_registered(r, key_prefix)
     prefill_rt, decode_rt = runtimes
     try:
-        with GatewayThread(cfg, SimTokenizer(), MODEL, 4096) as gw:
+        with GatewayThread(cfg, None, MODEL, 4096) as gw:
             records, index = [], 0
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
                 for tier, headers, max_tokens, n in SEQUENCE:
@@ -134,7 +134,7 @@ async def test_a_request_refused_after_parsing_counts_as_missed_and_is_traced(re
                         gateway=replace(GatewayConfig(), worker_liveness_s=600, min_remote_prefill_tokens=0))
     # No prefill worker: a disagg request gets 503 after it was parsed and given a tier.
     await asyncio.to_thread(announce_workers, redis_url, Keys(key_prefix), "decode", model=MODEL)
-    with GatewayThread(cfg, SimTokenizer(), MODEL, 4096) as gw:
+    with GatewayThread(cfg, None, MODEL, 4096) as gw:
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
             resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
             assert resp.status_code == 503

@@ -46,7 +46,7 @@ async def wait_for_event(r, keys, rid: str, name: str, timeout_s: float = 10) ->
 
 
 def gateway(cfg, **gw_options):
-    return GatewayThread(replace(cfg, gateway=replace(cfg.gateway, **gw_options)), SimTokenizer(), MODEL, 4096)
+    return GatewayThread(replace(cfg, gateway=replace(cfg.gateway, **gw_options)), None, MODEL, 4096)
 
 
 async def test_completed_request_has_every_phase_in_order_and_is_owner_only(redis_url, key_prefix):

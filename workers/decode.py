@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 from skyline import messages
 from skyline.runs import FENCED, RunClaim
+from skyline.scheduler import migration
+from skyline.scheduler.migration import resume_refusal
 from skyline.streams import Claimed, now_ms
 from skyline.workers import observe
-from skyline.workers.engines.base import EngineRequest
+from skyline.workers.engines.base import EngineRequest, GenerationChunk, RequestRefused
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
 from skyline.workers.runtime import Fenced, WorkerRuntime
@@ -55,9 +58,10 @@ class DecodeHandler:
         stream = _Stream(self, req, run)
         if run.output:
             self.rt.timeline.emit(req.request_id, "migrated", attempt=run.attempt, resumed_at_token=len(run.output))
-        if run.output and req.sampling.seed is not None:
-            await stream.fail(500, "the decode worker serving this request died mid-stream, and a request with a "
-                                   "`seed` is not resumed on another engine (its random stream cannot be continued); "
+        sp = req.sampling
+        refusal = resume_refusal(sp.temperature, sp.seed, sp.n, sp.params) if run.output else None
+        if refusal:
+            await stream.fail(500, f"the decode worker serving this request died mid-stream, and {refusal}; "
                                    "retry the request", code="migration_refused")
             await self.rt.queues.ack(claimed)
             return
@@ -67,6 +71,8 @@ class DecodeHandler:
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
         finish_reason = "length" if ereq.sampling.max_tokens <= 0 else "abort"
         kv_transfer: dict = {}
+        # Prompt logprobs come from where the prompt was computed: the prefill engine's, handed off.
+        prompt_logprobs = work.prompt_logprobs if kv_handle is not None else None
         try:
             if ereq.sampling.max_tokens > 0:
                 async for chunk in self.rt.engine.generate(ereq, kv_handle):
@@ -82,9 +88,17 @@ class DecodeHandler:
                             self.rt.local_prefill_done(req.request_id)
                             if kv_handle is None:
                                 await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
-                        await stream.delta(chunk.token_ids, chunk.text)
+                    if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs:
+                        await stream.delta(chunk, prompt_logprobs)
+                        prompt_logprobs = None
                     if chunk.finish_reason:
-                        finish_reason, kv_transfer = chunk.finish_reason, dict(chunk.kv_transfer)
+                        finish_reason = chunk.finish_reason
+                    if chunk.done:
+                        kv_transfer = dict(chunk.kv_transfer)
+        except RequestRefused as exc:
+            await stream.fail(exc.status, exc.message, code="unsupported_by_engine")
+            await self.rt.queues.ack(claimed)
+            return
         except (ClientGone, Fenced) as exc:
             await self.rt.engine.abort(req.request_id)
             if isinstance(exc, Fenced):
@@ -130,7 +144,8 @@ class DecodeHandler:
         ereq = engine_request(req)
         if run.output:
             ereq.prompt_token_ids = list(req.prompt_token_ids) + run.output
-            ereq.sampling = _replace_max_tokens(req.sampling, req.sampling.max_tokens - len(run.output))
+            ereq.sampling = replace(req.sampling, max_tokens=req.sampling.max_tokens - len(run.output),
+                                    params=migration.remaining(req.sampling.params, len(run.output)))
         if work.kv_handle is None:
             return ereq, None, ""
         if run.attempt > 1:
@@ -163,14 +178,19 @@ class _Stream:
         self.seq = run.frames
         self.produced = len(run.output)
 
-    async def delta(self, token_ids: list[int], text: str) -> None:
-        frame = messages.TokenDelta(self.req.request_id, self.seq, self.produced, token_ids, text)
-        if await self.send(frame, token_ids) == 0:
+    async def delta(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> None:
+        frame = messages.TokenDelta(
+            self.req.request_id, self.seq, self.produced, chunk.token_ids, chunk.text, choice=chunk.choice,
+            logprobs=chunk.logprobs, cumulative_logprob=chunk.cumulative_logprob, finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason, prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs)
+        if await self.send(frame, chunk.token_ids) == 0:
             raise ClientGone
-        self.produced += len(token_ids)
+        self.produced += len(chunk.token_ids)
 
     async def fail(self, status: int, message: str, code: str | None = None) -> None:
-        await self.send(messages.Failed(self.req.request_id, self.seq, status, message, code=code), [], final=True)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        await self.send(messages.Failed(self.req.request_id, self.seq, status, message, type=kind, code=code), [],
+                        final=True)
 
     async def send(self, frame: messages.Message, token_ids: list[int], final: bool = False) -> int:
         keys, args = self.h.rt.runs.publish_args(self.req.request_id, self.run.attempt, self.channel,
@@ -180,7 +200,3 @@ class _Stream:
             raise Fenced(f"{self.req.request_id}: attempt {self.run.attempt} was taken over")
         self.seq += 1
         return receivers
-
-
-def _replace_max_tokens(sampling: messages.SamplingSpec, max_tokens: int) -> messages.SamplingSpec:
-    return messages.SamplingSpec(**{**sampling.__dict__, "max_tokens": max_tokens})

@@ -41,7 +41,7 @@ class PrefillHandler:
         self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,
-            prefill_started_ms=started, prefill_finished_ms=now_ms(),
+            prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,
         )
         stream = self.rt.keys.stream("decode", req.tier)
         t_handoff = observe.prefill_finished(self.rt, req, work)

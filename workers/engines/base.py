@@ -30,19 +30,37 @@ class PrefillResult:
 
     kv_handle: dict[str, Any]
     prompt_tokens: int
+    prompt_logprobs: list | None = None  # skyline.logprobs wire form, when the request asked for them
 
 
 @dataclass
 class GenerationChunk:
-    """New output since the previous chunk; the last chunk has `finish_reason`."""
+    """New output of one choice since its previous chunk. A choice's last chunk has its
+    `finish_reason`; the request's last chunk has `done` (with n = 1, the same chunk).
+    Logprobs are in skyline.logprobs' wire form."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    choice: int = 0
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # with the request's first chunk, when asked for
+    done: bool = False
     # Set on the last chunk: evidence of where the prompt's KV came from, e.g.
     # {"remote_prefill": True, "num_cached_tokens": 12}. Shown to clients in
     # the final frame and used by tests to prove a NIXL transfer happened.
     kv_transfer: dict[str, Any] = field(default_factory=dict)
+
+
+class RequestRefused(Exception):
+    """The engine cannot serve this request as asked (a client error: the worker answers it with
+    `status`, never retries it)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
 
 
 @dataclass

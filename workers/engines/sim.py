@@ -7,8 +7,11 @@ preemption effects show up in fleet tests:
   step = prefill step, if prompts are waiting: base + per_token * tokens in the step
        | decode step otherwise: base + per_seq * running sequences (one token each)
 
-Output tokens are deterministic bytes (see SimTokenizer: token id = byte), a
-function of the prompt, so tests can compare runs. A "KV handle" names the
+Output tokens are deterministic bytes (token id = byte, the tokenizer of
+skyline/sim_model.py), a function of the prompt, so tests can compare runs.
+Sampling parameters other than max_tokens and stop strings do not change the
+text (it never ends with EOS); `n` choices each get the same text (timed as one sequence);
+logprobs and structured outputs, which need a model, are refused with a 400. A "KV handle" names the
 prefill engine and the prompt length; the decode side charges no transfer time.
 """
 
@@ -22,7 +25,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
+from skyline.workers.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineStats,
+    GenerationChunk,
+    PrefillResult,
+    RequestRefused,
+)
 
 _TEXT = (
     b"Skyline simulated output: the quick brown fox jumps over the lazy dog while the scheduler "
@@ -85,7 +95,9 @@ class SimEngine(Engine):
         return PrefillResult(kv_handle=handle, prompt_tokens=len(req.prompt_token_ids))
 
     async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
+        _refuse_what_sim_cannot_compute(req)
         seq = self._admit(req, prefill_only=False, remote_kv=kv_handle is not None)
+        n = max(1, req.sampling.n)
         try:
             while True:
                 items = [await seq.out.get()]
@@ -99,17 +111,20 @@ class SimEngine(Engine):
                         break
                     tokens.append(item[0])
                     finish = item[1] or finish
-                chunk = GenerationChunk(token_ids=tokens, text=bytes(tokens).decode("utf-8", "replace"))
-                if finish:
-                    chunk.finish_reason = finish
-                    chunk.kv_transfer = {
-                        "remote_prefill": seq.remote_kv,
-                        "num_cached_tokens": len(req.prompt_token_ids) if seq.remote_kv else 0,
-                        "source_engine": (kv_handle or {}).get("engine_id"),
-                    }
+                text = bytes(tokens).decode("utf-8", "replace")
+                # n choices: the same deterministic text each (one sequence's timing; see the module doc).
+                for i in range(n):
+                    chunk = GenerationChunk(token_ids=list(tokens), text=text, choice=i, finish_reason=finish)
+                    if finish and i == n - 1:
+                        chunk.done = True
+                        chunk.kv_transfer = {
+                            "remote_prefill": seq.remote_kv,
+                            "num_cached_tokens": len(req.prompt_token_ids) if seq.remote_kv else 0,
+                            "source_engine": (kv_handle or {}).get("engine_id"),
+                        }
                     yield chunk
+                if finish:
                     return
-                yield chunk
         finally:
             self._drop(req.request_id)
 
@@ -191,6 +206,19 @@ class SimEngine(Engine):
         if finish:
             self._drop(seq.req.request_id)
         seq.out.put_nowait((token, finish))
+
+
+# What the sim cannot produce: it has no model, so no probabilities and no grammar. Refused, not faked.
+_NOT_COMPUTED = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs",
+                 "structured_outputs": "structured outputs (response_format, guided decoding)"}
+
+
+def _refuse_what_sim_cannot_compute(req: EngineRequest) -> None:
+    params = req.sampling.params or {}
+    for key, what in _NOT_COMPUTED.items():
+        if params.get(key) is not None:
+            raise RequestRefused(f"the sim engine has no model, so it does not compute {what}; "
+                                 "serve this request with the vllm engine", param=key)
 
 
 def _output_start(prompt_token_ids: list[int]) -> int:

@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from skyline import logprobs
 from skyline.messages import SamplingSpec
 from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
 
@@ -240,8 +241,11 @@ class VllmEngine(Engine):
 
         # The one sampled token is thrown away (the decode engine samples the
         # first token itself), so prefill samples greedily and skips detokenizing.
+        # Prompt logprobs are computed here, where the prompt is: the decode engine never sees its logits.
+        asked = (req.sampling.params or {}).get("prompt_logprobs")
         params = SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            max_tokens=1, temperature=0.0, detokenize=asked is not None, output_kind=RequestOutputKind.FINAL_ONLY,
+            prompt_logprobs=asked,
             extra_args={"kv_transfer_params": {
                 "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -256,7 +260,8 @@ class VllmEngine(Engine):
             raise KVTransferError(f"prefill of {req.request_id} failed in the engine")
         if not final.kv_transfer_params:
             raise KVTransferError(f"prefill of {req.request_id} returned no KV handle (is kv_transfer on?)")
-        return PrefillResult(kv_handle=_plain(final.kv_transfer_params), prompt_tokens=len(req.prompt_token_ids))
+        return PrefillResult(kv_handle=_plain(final.kv_transfer_params), prompt_tokens=len(req.prompt_token_ids),
+                             prompt_logprobs=logprobs.to_wire(final.prompt_logprobs) if asked is not None else None)
 
     async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
         params = sampling_params(req.sampling)
@@ -266,19 +271,31 @@ class VllmEngine(Engine):
             # See the module docstring: this key would replace num_cached_tokens.
             evidence["prefill_cached_tokens"] = handle.pop("remote_prefill_cached_tokens", None)
             evidence["source_engine"] = handle.get("remote_engine_id")
-            params.extra_args = {"kv_transfer_params": handle}
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handle}
+            if params.prompt_logprobs is not None:  # the prefill engine computed them (this one never sees the prompt)
+                params.prompt_logprobs = None
+                params.skip_reading_prefix_cache = False
+        first = True
         async for out in self._run(req, params):
-            comp = out.outputs[0]
-            chunk = GenerationChunk(token_ids=list(comp.token_ids), text=comp.text)
-            if out.finished:
+            prompt_lps = logprobs.to_wire(out.prompt_logprobs) if first and out.prompt_logprobs else None
+            first = False
+            last = len(out.outputs) - 1
+            for i, comp in enumerate(out.outputs):
                 if comp.finish_reason == "error":
                     raise KVTransferError(f"request {req.request_id} failed in the engine (KV pull or model error)")
-                chunk.finish_reason = comp.finish_reason or "stop"
-                evidence["num_cached_tokens"] = out.num_cached_tokens or 0
-                evidence["num_remote_tokens"] = self._remote_tokens.get(req.request_id, 0)
-                chunk.kv_transfer = evidence
-            if chunk.token_ids or chunk.text or chunk.finish_reason:
-                yield chunk
+                chunk = GenerationChunk(
+                    token_ids=list(comp.token_ids), text=comp.text, choice=comp.index, finish_reason=comp.finish_reason,
+                    logprobs=logprobs.to_wire(comp.logprobs) if comp.logprobs else None,
+                    cumulative_logprob=comp.cumulative_logprob, stop_reason=comp.stop_reason,
+                    prompt_logprobs=prompt_lps if i == 0 else None)
+                if out.finished and i == last:
+                    chunk.done = True
+                    chunk.finish_reason = chunk.finish_reason or "stop"
+                    evidence["num_cached_tokens"] = out.num_cached_tokens or 0
+                    evidence["num_remote_tokens"] = self._remote_tokens.get(req.request_id, 0)
+                    chunk.kv_transfer = evidence
+                if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs or chunk.done:
+                    yield chunk
 
     async def _run(self, req: EngineRequest, params: Any) -> AsyncIterator[Any]:
         """Submit one request under the caller's id and yield vLLM's outputs."""
@@ -376,9 +393,19 @@ class VllmEngine(Engine):
 
 
 def sampling_params(spec: SamplingSpec) -> Any:
-    """Skyline's SamplingSpec as vLLM SamplingParams, streaming deltas."""
+    """The request's vLLM SamplingParams (built by vLLM's request models in the gateway), streaming
+    deltas, with the worker's `max_tokens` (lower after a migration); Skyline's own fields only for
+    requests made without the gateway (the simulator's profiler, tests)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    if spec.params is not None:
+        import msgspec
+
+        params = msgspec.convert(spec.params, SamplingParams)
+        params.max_tokens = spec.max_tokens
+        params.output_kind = RequestOutputKind.DELTA  # frames carry deltas; the gateway assembles what was asked
+        return params
 
     greedy = spec.temperature <= 0.0
     return SamplingParams(

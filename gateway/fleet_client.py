@@ -1,0 +1,254 @@
+"""`FleetClient`: vLLM's `EngineClient` interface, answered by the Skyline fleet.
+
+vLLM's serving layer (gateway/openai_api.py) renders a request, builds its
+`SamplingParams` and calls `engine_client.generate(prompt, params, request_id)`
+once per prompt; in `vllm serve` that is the engine. Here `generate` checks the
+parameters as vLLM's engine front end would (its `InputProcessor`: the same
+400s), gives the request its SLO and route, runs admission control, subscribes
+to its token channel, enqueues it (gateway/dispatch.py), and yields the
+fleet's frames back as `RequestOutput`s (gateway/outputs.py).
+
+What the serving layer does not pass to `generate` (the HTTP request: SLO
+headers, the `slo` body extension, where the client is) comes through a
+`RequestScope` the route sets for the duration of the call. The scope also
+collects every failure that happens before the first output, so the route can
+answer it with its own HTTP status instead of a 200 stream that begins with an
+error (vLLM's stream generators turn any exception into an error chunk).
+
+Engine management calls (sleep, LoRA, profiling, cache resets) are not the
+gateway's to make: they raise NotImplementedError, and no route calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from skyline import messages
+from skyline.gateway.dispatch import Dispatcher
+from skyline.gateway.errors import ApiError, from_vllm
+from skyline.gateway.outputs import OutputAssembler
+from skyline.gateway.prepare import Prepared, SloSpec, prepare
+from skyline.gateway.session import Disconnected, Session
+
+log = logging.getLogger("skyline.gateway")
+
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
+
+
+@dataclass
+class RequestScope:
+    """One HTTP request while vLLM's serving code handles it."""
+
+    raw: Request
+    kind: str  # "chat", "completion", "responses"
+    slo: SloSpec | None
+    arrival_ms: int
+    t_arrival: float
+    stream: bool
+    include_usage: bool
+    client_request_id: bool  # the client named the request (X-Request-Id, `request_id`): ids need a suffix
+    sessions: list[Session] = field(default_factory=list)
+    preps: list[Prepared] = field(default_factory=list)
+    finals: list[tuple[Session, messages.Finished]] = field(default_factory=list)  # prompts served, in order
+    error: ApiError | None = None  # the first failure before any output
+    started: bool = False  # some output was handed to the serving layer
+    client_gone: bool = False
+
+    def close_all(self, status: int) -> None:
+        for s in self.sessions:
+            s.close(status)
+
+
+SCOPE: contextvars.ContextVar[RequestScope] = contextvars.ContextVar("skyline_request_scope")
+
+
+class _ClientGone(asyncio.CancelledError):
+    """The client went away while its output was awaited (non-streaming)."""
+
+
+class FleetClient:
+    """Built by `gateway.openai_api.build_frontend`; subclassed from vLLM's EngineClient lazily
+    (`fleet_client_class`) so this module imports without vLLM."""
+
+    def __init__(self, vllm_config: Any, renderer: Any, input_processor: Any, dispatcher: Dispatcher):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+        self.input_processor = input_processor
+        self.dispatcher = dispatcher
+        self._by_id: dict[str, Session] = {}
+
+    # ---- the interface vLLM's serving layer uses -----------------------------------
+
+    is_running = property(lambda self: True)
+    is_stopped = property(lambda self: False)
+    errored = property(lambda self: False)
+    dead_error = property(lambda self: RuntimeError("the Skyline fleet client does not die"))
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """Admission needs the prompt's length, known only in generate(); it runs there (see the module doc)."""
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *, lora_request: Any = None,
+                       priority: int = 0, session_id: str | None = None, kv_hints: Any = None,
+                       data_parallel_rank: int | None = None, trace_headers: Any = None,
+                       **_parser_state: Any) -> AsyncGenerator[Any, None]:
+        # trace_headers: vLLM drops them too unless OTLP tracing is configured, which a gateway is not.
+        # _parser_state (reasoning_ended, reasoning_parser_kwargs): the engine-side reasoning budget
+        # (thinking_token_budget), refused in _check; the parsers themselves run here, in the gateway.
+        scope = SCOPE.get()
+        session: Session | None = None
+        status, fin = 500, None
+        try:
+            self._check(prompt, sampling_params, request_id, lora_request, priority)
+            _refuse_engine_extras(prompt, sampling_params, session_id, kv_hints, data_parallel_rank)
+            ids = list(prompt["prompt_token_ids"])
+            fleet_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if scope.client_request_id else request_id
+            prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
+                           sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival)
+            session = await self._submit(scope, prep)
+            assembler = OutputAssembler(request_id, prompt.get("prompt"), ids, sampling_params.n,
+                                        sampling_params.output_kind, sampling_params.logprobs is not None)
+            while not assembler.finished:
+                frames = await session.frames(None if scope.stream else scope.raw)
+                for f in frames:
+                    if isinstance(f, messages.Failed):
+                        status = f.status if 400 <= f.status <= 599 else 500
+                        raise ApiError(status, f.message, type=f.type, code=f.code)
+                    if isinstance(f, messages.Finished):
+                        fin = f
+                out = assembler.add(frames)
+                if out is not None:
+                    scope.started = True
+                    yield out
+            status = 200
+            if fin is not None:
+                scope.finals.append((session, fin))
+        except Disconnected:
+            status, scope.client_gone = CLIENT_CLOSED, True
+            raise _ClientGone() from None
+        except ApiError as exc:
+            status = exc.status
+            if session is not None:
+                session.cancel("timeout" if exc.status in (503, 504) else "gateway_abort")
+            if not scope.started and scope.error is None:
+                scope.error = exc
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = CLIENT_CLOSED
+            raise
+        except Exception as exc:
+            if not scope.started and scope.error is None:
+                scope.error = from_vllm(exc)
+            raise
+        finally:
+            if session is not None:
+                self._by_id.pop(request_id, None)
+                session.close(status, fin)
+
+    def _check(self, prompt: Any, params: Any, request_id: str, lora_request: Any, priority: int) -> None:
+        """vLLM's engine-side checks of a request (its InputProcessor), before anything is queued."""
+        from vllm.exceptions import VLLMValidationError
+
+        if priority:
+            raise VLLMValidationError("`priority` is not taken by Skyline: its SLO tiers order requests; send "
+                                      "the `x-slo-tier` header or `slo.tier` instead", parameter="priority",
+                                      value=priority)
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            raise VLLMValidationError("Skyline serves token prompts only (no multimodal inputs)", parameter="prompt")
+        self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=("generate",),
+                                            lora_request=lora_request)
+
+    async def _submit(self, scope: RequestScope, prep: Prepared) -> Session:
+        observer = self.dispatcher.observer
+        try:
+            session = await self.dispatcher.submit(prep)
+        except ApiError as exc:
+            self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status)
+            observer.refused(prep, scope.raw, exc)
+            raise
+        prep = session.prep  # admission control may have demoted it
+        observer.enqueued(prep, scope.raw, session.t_enqueue_ms)
+        scope.sessions.append(session)
+        scope.preps.append(prep)
+        self._by_id[prep.request.request_id] = session
+        return session
+
+    async def abort(self, request_id: Any) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if (s := self._by_id.get(rid)) is not None:
+                s.cancel("gateway_abort")
+
+    async def notify_kv_transfer_request_rejected(self, request_id: str, kv_transfer_params: dict, **_: Any) -> None:
+        """Skyline never hands client-given KV handles to engines (kv_transfer_params are refused)."""
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        """Fleet statistics are in /metrics and `skyline status`."""
+
+    async def check_health(self) -> None:
+        """The gateway's /health checks Redis and the relay."""
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+
+def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_hints: Any,
+                          data_parallel_rank: int | None) -> None:
+    """What vLLM's server hands its engine beside the prompt and the sampling, which Skyline does not
+    carry to its workers: refused with a 400 rather than accepted and dropped."""
+    from vllm.exceptions import VLLMValidationError
+
+    def refuse(param: str, why: str) -> None:
+        raise VLLMValidationError(f"`{param}` is not supported by Skyline: {why}", parameter=param)
+
+    extra = params.extra_args or {}
+    if extra.get("kv_transfer_params") is not None:
+        refuse("kv_transfer_params", "KV handles are made and consumed by its own prefill and decode workers")
+    if extra.get("ec_transfer_params") is not None:
+        refuse("ec_transfer_params", "encoder caches (multimodal) are not moved between its workers")
+    if getattr(params, "routed_experts_prompt_start", None):
+        refuse("routed_experts_prompt_start", "routed experts are not carried back from its workers")
+    if prompt.get("cache_salt") is not None:
+        refuse("cache_salt", "its workers do not isolate prefix caches per salt yet")
+    if session_id is not None:
+        refuse("session_id", "streaming-input sessions are not carried through the fleet")
+    if kv_hints is not None:
+        refuse("kv_hints", "placement is Skyline's scheduler's")
+    if data_parallel_rank is not None:
+        refuse("X-data-parallel-rank", "workers, not data-parallel ranks, serve requests")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        refuse("thinking_token_budget", "the engine-side reasoning budget is not carried to the workers")
+
+
+def _not_for_a_gateway(name: str):
+    async def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{name} is an engine operation; the Skyline gateway runs no engine")
+
+    refuse.__name__ = name
+    return refuse
+
+
+_FLEET_CLIENT_CLASS: type | None = None
+
+
+def fleet_client_class() -> type:
+    """FleetClient as a subclass of vLLM's EngineClient (built once, on first use)."""
+    global _FLEET_CLIENT_CLASS
+    if _FLEET_CLIENT_CLASS is None:
+        from vllm.engine.protocol import EngineClient
+
+        missing = {name: _not_for_a_gateway(name) for name in EngineClient.__abstractmethods__
+                   if not hasattr(FleetClient, name)}
+        _FLEET_CLIENT_CLASS = type("FleetClient", (FleetClient, EngineClient), missing)
+    return _FLEET_CLIENT_CLASS

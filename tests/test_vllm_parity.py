@@ -1,0 +1,377 @@
+"""Differential tier: the same requests to a plain `vllm serve` and to a Skyline fleet, same answers.
+
+Started once for this module: a plain vLLM OpenAI server on the default model
+(with the tool parser flags a tool-using deployment sets) and a Skyline fleet
+(gateway with the same flags, one prefill and one decode worker on real vLLM
+engines, KV over NIXL). Every case goes to the reference and to Skyline through
+both routes (disaggregated: prompt prefilled on the prefill engine, KV pulled
+over NIXL; colocated: the decode engine does both), with the `openai` client,
+and compares what a client sees: greedy text token for token, tool calls (names
+and parsed arguments), JSON validity, logprobs (within a small tolerance: the
+engines batch differently), choices, usage, finish reasons, error statuses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from skyline.redis_server import free_port
+from tests.fleet import Fleet
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "SmolLM2-135M-Instruct"
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+ROUTES = ("disagg", "colocated")
+LOGPROB_TOL = 2e-3
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A plain vLLM OpenAI server, as a user runs it (`vllm serve` is `python -m vllm.entrypoints.openai.api_server`
+    under this distribution's name)."""
+    from skyline.model import resolve_model
+    from skyline.workers.engines import vllm_plugin
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("reference") / "vllm.log", "wb")
+    cores = sorted(os.sched_getaffinity(0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
+         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+         "--host", "127.0.0.1", "--port", str(port), *TOOL_FLAGS],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
+                 **{vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"reference vLLM server exited: {log.name}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("reference vLLM server did not start")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tmp_path_factory, reference):
+    f = Fleet(redis_url, "parity", "vllm", tmp_path_factory.mktemp("parity-logs"), ["--model", "default"],
+              gateway_args=(*Fleet.EVERY_PROMPT_REMOTE, *TOOL_FLAGS))
+    cores = sorted(os.sched_getaffinity(0))
+    workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0])), "decode-0": ("decode", "--cpu-bind", str(cores[-1]))}
+    with f.running(workers, timeout_s=600):
+        yield f
+
+
+@pytest.fixture(scope="module")
+def clients(fleet, reference):
+    ref = openai.OpenAI(base_url=f"{reference}/v1", api_key="unused", timeout=120, max_retries=0)
+    sky = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return ref, sky
+
+
+def _call(client, kind: str, route: str | None, **kw):
+    headers = {"x-skyline-route": route} if route else None
+    api = client.chat.completions if kind == "chat" else client.completions
+    return api.create(model=MODEL, extra_headers=headers, **kw)
+
+
+def _choices(resp, kind: str) -> list[dict]:
+    """What a client reads of each choice, in order."""
+    out = []
+    for c in resp.choices:
+        d = {"index": c.index, "finish_reason": c.finish_reason}
+        if kind == "chat":
+            d["content"] = c.message.content
+            d["tool_calls"] = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []]
+        else:
+            d["text"] = c.text
+        d["logprobs"] = _logprobs(c.logprobs, kind)
+        out.append(d)
+    return out
+
+
+def _logprobs(lp, kind):
+    if lp is None:
+        return None
+    if kind == "chat":
+        return [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in lp.content or []]
+    return [(tok, v, sorted((top or {}).items())) for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
+
+
+def _close(a, b, tol=LOGPROB_TOL) -> bool:
+    """Equal, with floats within `tol` (None/inf compared exactly)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tol)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    return a == b
+
+
+def _same(clients, kind: str, **kw):
+    """The request to the reference and to Skyline on both routes: the same choices and usage."""
+    ref, sky = clients
+    want = _call(ref, kind, None, **kw)
+    for route in ROUTES:
+        got = _call(sky, kind, route, **kw)
+        assert _close(_choices(got, kind), _choices(want, kind)), (route, _choices(got, kind), _choices(want, kind))
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == \
+               (want.usage.prompt_tokens, want.usage.completion_tokens), route
+        assert got.model_extra["skyline"]["route"] == route or isinstance(got.model_extra["skyline"], list)
+    return want
+
+
+def _streamed(clients, kind: str, **kw):
+    """Streamed through Skyline (both routes) as streamed from the reference: text per choice, finish reasons."""
+    ref, sky = clients
+
+    def collect(client, route):
+        texts, finishes, tools = {}, {}, {}
+        for chunk in _call(client, kind, route, stream=True, **kw):
+            for c in chunk.choices:
+                if kind == "chat":
+                    texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                    for t in c.delta.tool_calls or []:
+                        name, args = tools.get((c.index, t.index), ("", ""))
+                        tools[(c.index, t.index)] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
+                else:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+        return texts, finishes, {k: (n, json.loads(a)) for k, (n, a) in tools.items()}
+
+    want = collect(ref, None)
+    for route in ROUTES:
+        assert collect(sky, route) == want, route
+    return want
+
+
+# ---- 1. sampling ----------------------------------------------------------------------------------
+
+GREEDY = dict(temperature=0, max_tokens=24)
+SAMPLING_CASES = [
+    ("chat", dict(messages=CHAT, **GREEDY)),
+    ("completion", dict(prompt=PROMPT, **GREEDY)),
+    ("chat", dict(messages=CHAT, temperature=0, max_tokens=32, stop=["Paris", "\n"])),
+    ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=32, stop=[" red"],
+                        extra_body={"include_stop_str_in_output": True})),
+    ("completion", dict(prompt=PROMPT, **GREEDY, extra_body={"stop_token_ids": [28]})),
+    ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=12, extra_body={"ignore_eos": True, "min_tokens": 12})),
+    ("chat", dict(messages=CHAT, **GREEDY, logit_bias={"504": -100})),
+    ("chat", dict(messages=CHAT, **GREEDY, extra_body={"bad_words": ["Paris"]})),
+    ("completion", dict(prompt=PROMPT, **GREEDY, extra_body={"repetition_penalty": 1.3})),
+    ("completion", dict(prompt=PROMPT, **GREEDY, presence_penalty=0.8, frequency_penalty=0.6)),
+    ("chat", dict(messages=CHAT, temperature=1.0, max_tokens=24, extra_body={"top_k": 1})),
+    ("completion", dict(prompt=PROMPT, temperature=0.8, max_tokens=24, seed=1234, top_p=0.9,
+                        extra_body={"min_p": 0.05})),
+    ("chat", dict(messages=CHAT, temperature=0, max_completion_tokens=10)),
+    ("completion", dict(prompt=PROMPT, **GREEDY, extra_body={"allowed_token_ids": [260, 314, 1230, 28, 30, 216]})),
+    ("completion", dict(prompt="one two three four five six seven eight nine ten", **GREEDY,
+                        extra_body={"truncate_prompt_tokens": 4})),
+    ("chat", dict(messages=CHAT, **GREEDY, extra_body={"skip_special_tokens": False,
+                                                       "spaces_between_special_tokens": False})),
+    ("completion", dict(prompt=[504, 3458, 282, 4649, 314], **GREEDY)),  # token ids
+]
+
+
+@pytest.mark.parametrize("kind,kw", SAMPLING_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(SAMPLING_CASES)])
+def test_sampling_parameters_give_vllms_answers(clients, kind, kw):
+    _same(clients, kind, **kw)
+
+
+@pytest.mark.parametrize("kind,kw", [SAMPLING_CASES[0], SAMPLING_CASES[2], SAMPLING_CASES[1]])
+def test_streams_carry_vllms_text_and_finish_reasons(clients, kind, kw):
+    _streamed(clients, kind, **kw)
+
+
+# ---- 2. log probabilities --------------------------------------------------------------------------
+
+LOGPROB_CASES = [
+    ("chat", dict(messages=CHAT, **GREEDY, logprobs=True, top_logprobs=5)),
+    ("chat", dict(messages=CHAT, **GREEDY, logprobs=True)),
+    ("completion", dict(prompt=PROMPT, **GREEDY, logprobs=3)),
+    ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=4, echo=True)),
+    ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=2)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", LOGPROB_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(LOGPROB_CASES)])
+def test_logprobs_in_vllms_shapes(clients, kind, kw):
+    _same(clients, kind, **kw)
+
+
+def test_prompt_logprobs_also_when_the_prompt_was_prefilled_on_another_engine(clients):
+    ref, sky = clients
+    kw = dict(prompt=PROMPT, temperature=0, max_tokens=4, extra_body={"prompt_logprobs": 2})
+    want = _call(ref, "completion", None, **kw).model_extra["prompt_logprobs"]
+    for route in ROUTES:
+        got = _call(sky, "completion", route, **kw)
+        assert _close(got.model_extra["prompt_logprobs"], want), route
+        assert got.model_extra["skyline"]["kv_transfer"]["remote_prefill"] is (route == "disagg")
+
+
+# ---- 3. several choices -----------------------------------------------------------------------------
+
+CHOICE_CASES = [
+    ("chat", dict(messages=CHAT, temperature=0, max_tokens=12, n=3)),
+    ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=12, n=2)),
+    ("completion", dict(prompt=[PROMPT, "The capital of Italy is"], temperature=0, max_tokens=12)),
+    ("completion", dict(prompt=[PROMPT, "The capital of Italy is"], temperature=0, max_tokens=8, n=2)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", CHOICE_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CHOICE_CASES)])
+def test_several_choices_in_vllms_order_and_usage(clients, kind, kw):
+    want = _same(clients, kind, **kw)
+    assert len(want.choices) >= 2
+
+
+def test_several_choices_streamed(clients):
+    _streamed(clients, "completion", prompt=[PROMPT, "The capital of Italy is"], temperature=0, max_tokens=8, n=2)
+
+
+# ---- 4. tools --------------------------------------------------------------------------------------
+
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_CASES = [
+    dict(messages=TOOL_ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+         temperature=0, max_tokens=48),
+    dict(messages=TOOL_ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=64),
+    dict(messages=TOOL_ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=24),
+    dict(messages=TOOL_ASK, tools=[WEATHER, TIME], tool_choice="auto", temperature=0, max_tokens=48),
+    dict(messages=TOOL_ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, temperature=0,
+         max_tokens=64),
+    dict(messages=[*TOOL_ASK,
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}],
+         tools=[WEATHER], temperature=0, max_tokens=24),
+]
+
+
+@pytest.mark.parametrize("kw", TOOL_CASES, ids=[f"tools-{i}" for i in range(len(TOOL_CASES))])
+def test_tool_calls_parsed_as_vllm_parses_them(clients, kw):
+    want = _same(clients, "chat", **kw)
+    if kw.get("tool_choice") not in (None, "none", "auto"):
+        assert want.choices[0].message.tool_calls, "the case should produce a tool call"
+
+
+def test_streamed_tool_call_deltas(clients):
+    _, _, tools = _streamed(clients, "chat", **TOOL_CASES[0])
+    assert tools and next(iter(tools.values()))[0] == "get_weather"
+
+
+# ---- 5. structured outputs ---------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+STRUCTURED_CASES = [
+    ("chat", dict(messages=[{"role": "user", "content": "Give me a JSON object about a cat."}], temperature=0,
+                  max_tokens=40, response_format={"type": "json_object"})),
+    ("chat", dict(messages=[{"role": "user", "content": "Describe a person."}], temperature=0, max_tokens=40,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})),
+    ("chat", dict(messages=CHAT, temperature=0, max_tokens=8,
+                  extra_body={"structured_outputs": {"choice": ["Paris", "London", "Rome"]}})),
+    ("completion", dict(prompt="My phone number is", temperature=0, max_tokens=16,
+                        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})),
+    ("completion", dict(prompt="The answer is", temperature=0, max_tokens=8,
+                        extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})),
+    ("completion", dict(prompt="A person:", temperature=0, max_tokens=40, extra_body={"structured_outputs": {"json": SCHEMA}})),
+]
+
+
+@pytest.mark.parametrize("kind,kw", STRUCTURED_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(STRUCTURED_CASES)])
+def test_structured_outputs_enforced_by_the_generating_engine(clients, kind, kw):
+    want = _same(clients, kind, **kw)
+    text = want.choices[0].message.content if kind == "chat" else want.choices[0].text
+    if "response_format" in kw and want.choices[0].finish_reason == "stop":
+        json.loads(text)
+
+
+# ---- 7. endpoints ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"model": MODEL, "prompt": "Hello there"}),
+    ("/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": True}),
+    ("/detokenize", {"model": MODEL, "tokens": [19556, 665]}),
+])
+def test_tokenize_and_detokenize(fleet, reference, path, body):
+    want = httpx.post(reference + path, json=body, timeout=30)
+    got = httpx.post(fleet.url + path, json=body, timeout=30)
+    assert got.status_code == want.status_code == 200 and got.json() == want.json()
+
+
+def test_responses_api_stateless(clients):
+    ref, sky = clients
+    kw = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=16, store=False)
+    want = ref.responses.create(**kw)
+    got = sky.responses.create(**kw)
+    assert got.output_text == want.output_text and got.status == want.status
+
+
+# ---- 8. errors ---------------------------------------------------------------------------------------
+
+ERROR_CASES = [
+    ("chat", dict(messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=50)),
+    ("completion", dict(prompt=PROMPT, max_tokens=8, temperature=-1)),
+    ("chat", dict(messages=CHAT, max_tokens=8, n=0)),
+    ("chat", dict(messages=CHAT, max_tokens=8, extra_body={"structured_outputs": {"regex": "("}})),
+    ("chat", dict(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                  tool_choice={"type": "function", "function": {"name": "missing"}}, max_tokens=8)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", ERROR_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(ERROR_CASES)])
+def test_errors_have_vllms_status(clients, kind, kw):
+    ref, sky = clients
+    with pytest.raises(openai.APIStatusError) as want:
+        _call(ref, kind, None, **kw)
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as got:
+            r = _call(sky, kind, "disagg", stream=stream, **kw)
+            if stream:
+                list(r)
+        assert got.value.status_code == want.value.status_code, (stream, got.value, want.value)
+
+
+def test_unknown_model_is_refused_as_vllm_refuses_it(clients):
+    ref, sky = clients
+    statuses = []
+    for client in (ref, sky):
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model="not-served", messages=CHAT, max_tokens=4)
+        statuses.append(err.value.status_code)
+    assert statuses[0] == statuses[1] == 404
