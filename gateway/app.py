@@ -202,8 +202,8 @@ class _GenerationRoutes:
             req = _validate(model, body)
         except ValidationError as exc:
             return await _validation_response(request, exc)
-        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise its own errors directly
-            raise from_vllm(exc) from None
+        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise their own errors directly
+            raise _refused_body(exc) from None
         return _plain_response(await handler(req, request))
 
     async def serve(self, request: Request, kind: str, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
@@ -219,9 +219,9 @@ class _GenerationRoutes:
         except ValidationError as exc:
             self.metrics.count("", "", 400)
             return await _validation_response(request, exc)
-        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise its own errors directly
+        except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise their own errors directly
             self.metrics.count("", "", 400)
-            raise from_vllm(exc) from None
+            raise _refused_body(exc) from None
         if getattr(req, "use_beam_search", False):
             self.metrics.count("", "", 400)
             raise ApiError(400, "`use_beam_search` is not supported by Skyline: beam search would run one fleet "
@@ -230,7 +230,7 @@ class _GenerationRoutes:
         options = getattr(req, "stream_options", None)
         scope = RequestScope(request, kind, spec, arrival_ms, t_arrival, stream,
                              bool(stream and options is not None and getattr(options, "include_usage", False)),
-                             "request_id" in body or "x-request-id" in request.headers)
+                             "request_id" in body or "x-request-id" in request.headers, _prompts(body))
         token = SCOPE.set(scope)
         try:
             try:
@@ -242,12 +242,17 @@ class _GenerationRoutes:
                 raise
             except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
                 scope.close_all(500)
-                raise scope.error or from_vllm(exc) from None
+                err = scope.error or from_vllm(exc)
+                if err.status >= 500:
+                    log.error("vLLM's serving code failed on %s", request.url.path, exc_info=exc)
+                raise err from None
             if not stream or not hasattr(result, "__anext__"):
                 return self._once(scope, result)
             return await self._stream(scope, result)
         except ApiError as exc:
             scope.close_all(exc.status)
+            if not scope.counted:
+                self.metrics.count("", "", exc.status)
             if scope.preps:
                 exc.headers = {**(exc.headers or {}), **_headers(scope)}
             raise
@@ -262,6 +267,8 @@ class _GenerationRoutes:
                 raise scope.error
             if scope.client_gone:
                 return Response(status_code=CLIENT_CLOSED)
+            if not scope.counted:
+                self.metrics.count("", "", result.error.code)
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         body = result.model_dump()
         ext = _skyline(scope)
@@ -276,6 +283,11 @@ class _GenerationRoutes:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
+        except asyncio.CancelledError:
+            if not scope.client_gone:
+                raise
+            scope.close_all(CLIENT_CLOSED)  # the client left before the first chunk: nothing to send
+            return Response(status_code=CLIENT_CLOSED)
         if scope.error is not None and not scope.started:
             await chunks.aclose()
             raise scope.error
@@ -335,12 +347,33 @@ def _skyline(scope: RequestScope) -> dict[str, Any] | list[dict[str, Any]] | Non
     return done[0] if len(done) == 1 else done
 
 
+def _prompts(body: dict[str, Any]) -> int:
+    """How many prompts a completion request carries (a list of strings or of token-id lists is a batch)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def _headers(scope: RequestScope) -> dict[str, str]:
     if not scope.preps:
         return {}
     prep = scope.preps[0]
     return {"x-skyline-request-id": prep.request.request_id, "x-skyline-tier": prep.slo.tier,
             "x-skyline-route": prep.route}
+
+
+def _refused_body(exc: Exception) -> ApiError:
+    """A body vLLM's request models could not validate. Their validators raise vLLM's own errors (400s,
+    answered as vLLM answers them), and some fail on a field of an unexpected shape (vLLM 0.32:
+    `"structured_outputs": "hi"` raises AttributeError, a 500 in vllm serve): the body is the client's,
+    so that is a 400 too, without the exception's text."""
+    err = from_vllm(exc)
+    if err.status < 500:
+        return err
+    log.info("request body refused by vLLM's request model validators: %r", exc)
+    return ApiError(400, "the request body does not validate: a field has an unexpected type or shape",
+                    code="invalid_request_body")
 
 
 def _validate(model: Any, body: dict[str, Any]) -> Any:

@@ -30,6 +30,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from skyline.gateway.errors import ApiError
+from skyline.gateway.prepare import json_body
 from skyline.gateway.prepare import check_auth
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -247,14 +248,7 @@ def _limited(request: Request, limit: int) -> Request:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return obj
+    return json_body(await request.body())
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

@@ -75,7 +75,6 @@ def from_vllm(exc: Exception) -> ApiError:
 
     if not isinstance(exc, (ValueError, TypeError, OverflowError, NotImplementedError)) and \
             type(exc).__module__.split(".")[0] != "vllm":
-        log.error("unhandled error in vLLM's serving code", exc_info=exc)
         return ApiError(500, "internal error in the Skyline gateway (see its log)", code="internal_error")
     err = create_error_response(exc).error
     return ApiError(int(err.code), err.message, param=err.param, type=err.type, code=int(err.code))

@@ -55,12 +55,14 @@ class RequestScope:
     stream: bool
     include_usage: bool
     client_request_id: bool  # the client named the request (X-Request-Id, `request_id`): ids need a suffix
+    prompts: int = 1  # prompts in the request (a batched completion has several)
     sessions: list[Session] = field(default_factory=list)
     preps: list[Prepared] = field(default_factory=list)
     finals: list[tuple[Session, messages.Finished]] = field(default_factory=list)  # prompts served, in order
     error: ApiError | None = None  # the first failure before any output
     started: bool = False  # some output was handed to the serving layer
     client_gone: bool = False
+    counted: bool = False  # a status is in the gateway's request counter (a session, or a refusal at the door)
 
     def close_all(self, status: int) -> None:
         for s in self.sessions:
@@ -110,14 +112,17 @@ class FleetClient:
             self._check(prompt, sampling_params, request_id, lora_request, priority)
             _refuse_engine_extras(prompt, sampling_params, session_id, kv_hints, data_parallel_rank)
             ids = list(prompt["prompt_token_ids"])
-            fleet_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if scope.client_request_id else request_id
+            fleet_id = _fleet_id(scope, request_id)
             prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
                            sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival)
-            session = await self._submit(scope, prep)
+            session = await self._submit(scope, prep, request_id)
             assembler = OutputAssembler(request_id, prompt.get("prompt"), ids, sampling_params.n,
                                         sampling_params.output_kind, sampling_params.logprobs is not None)
             while not assembler.finished:
-                frames = await session.frames(None if scope.stream else scope.raw)
+                # Watch for the client leaving while no response has started (a stream that has started
+                # is Starlette's to watch: it cancels the response when the client goes).
+                watch = scope.raw if not (scope.stream and scope.started) else None
+                frames = await session.frames(watch)
                 for f in frames:
                     if isinstance(f, messages.Failed):
                         status = f.status if 400 <= f.status <= 599 else 500
@@ -166,19 +171,21 @@ class FleetClient:
         self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=("generate",),
                                             lora_request=lora_request)
 
-    async def _submit(self, scope: RequestScope, prep: Prepared) -> Session:
+    async def _submit(self, scope: RequestScope, prep: Prepared, request_id: str) -> Session:
         observer = self.dispatcher.observer
         try:
             session = await self.dispatcher.submit(prep)
         except ApiError as exc:
             self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status)
+            scope.counted = True
             observer.refused(prep, scope.raw, exc)
             raise
         prep = session.prep  # admission control may have demoted it
         observer.enqueued(prep, scope.raw, session.t_enqueue_ms)
-        scope.sessions.append(session)
+        scope.sessions.append(session)  # its close() counts its status
+        scope.counted = True
         scope.preps.append(prep)
-        self._by_id[prep.request.request_id] = session
+        self._by_id[request_id] = session  # abort() gets vLLM's id
         return session
 
     async def abort(self, request_id: Any) -> None:
@@ -201,6 +208,19 @@ class FleetClient:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
+
+
+def _fleet_id(scope: RequestScope, request_id: str) -> str:
+    """The id the request has in the fleet (Redis keys, timelines, `x-skyline-request-id`).
+
+    vLLM's completion serving names the engine request of prompt i `<id>-i`; with one prompt the
+    fleet uses the response's own id, so a client finds its request's timeline under the `id` it got.
+    A client-chosen id (X-Request-Id, `request_id`) gets a random suffix: ids must be unique in Redis,
+    and one client must not reach another's request state by naming it.
+    """
+    if scope.kind == "completion" and scope.prompts == 1 and request_id.endswith("-0"):
+        request_id = request_id[:-2]
+    return f"{request_id}-{uuid.uuid4().hex[:8]}" if scope.client_request_id else request_id
 
 
 def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_hints: Any,

@@ -4,12 +4,12 @@ The gateway serves every request through vLLM's own OpenAI serving layer
 (gateway/openai_api.py), which needs a model config, a tokenizer and a chat
 template even when the fleet runs the `sim` engine. This folder gives it one
 whose tokenizer is the sim engine's: token id = UTF-8 byte value, `<|endoftext|>`
-= 256 (EOS), and a chat template that writes `<|role|>content` lines followed by
+= 256 (EOS), `<think>`/`</think>` = 257/258, and a chat template that writes `<|role|>content` lines followed by
 `<|assistant|>`. Prompt lengths stay one token per byte, as the sim's timing
 model and the scheduling tests expect.
 
 Written once under ~/.cache/skyline/models/ (no download, no weights: vLLM never
-loads a model for it); the `version` marker redoes it when the layout changes.
+loads a model for it), in a folder per layout version.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from skyline.model import skyline_home
 SIM_MODEL_DIR = "skyline-sim-bytes"
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 256
+# Reasoning markers (ids 257, 258), as reasoning models' tokenizers have them: the sim engine never
+# emits them, but a gateway configured with a reasoning parser (e.g. deepseek_r1) finds them in the vocab.
+THINK_TOKENS = ("<think>", "</think>")
 _MARKER = ".skyline-sim-model"
-_VERSION = 2  # 2: the newline as an expression (chat templates render with trim_blocks)
+_VERSION = 3  # 2: the newline as an expression (templates render with trim_blocks); 3: think tokens
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['content'] is string %}{{ m['content'] }}"
@@ -34,21 +37,18 @@ CHAT_TEMPLATE = (
 
 
 def sim_model_dir() -> Path:
-    """The folder (written on first use). Safe to call from concurrent processes."""
-    target = skyline_home() / "models" / SIM_MODEL_DIR
+    """The folder (written on first use). Safe to call from concurrent processes: each version has
+    its own folder, written aside and renamed into place, so no reader ever sees a folder change."""
+    target = skyline_home() / "models" / f"{SIM_MODEL_DIR}-v{_VERSION}"
     if _complete(target):
         return target
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     _write(tmp)
     (tmp / _MARKER).write_text(json.dumps({"version": _VERSION}))
-    if _complete(target):
-        _rmtree(tmp)
-        return target
-    _rmtree(target)
     try:
         os.replace(tmp, target)
-    except OSError:  # a concurrent process renamed its copy first; theirs is the same
+    except OSError:  # a concurrent process renamed its (identical) copy into place first
         _rmtree(tmp)
     return target
 
@@ -87,6 +87,7 @@ def _write(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "bos_token": None,
@@ -94,7 +95,7 @@ def _write(out: Path) -> None:
     }, indent=2))
     # A Llama-shaped config vLLM accepts; nothing ever loads weights for it.
     (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": EOS_ID + 1,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": EOS_ID + 1 + len(THINK_TOKENS),
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 2, "max_position_embeddings": 1 << 17, "eos_token_id": EOS_ID,
         "torch_dtype": "float32", "tie_word_embeddings": True,

@@ -89,8 +89,7 @@ def test_completion_non_stream(fleet):
     raw = fut.result()
     assert raw.headers["x-skyline-request-id"] == msg.request_id and raw.headers["x-skyline-tier"] == "standard"
     body = raw.http_response.json()
-    # vLLM's completion serving names its one prompt's engine request <id>-0
-    assert body["object"] == "text_completion" and msg.request_id == body["id"] + "-0" and body["model"] == MODEL
+    assert body["object"] == "text_completion" and body["id"] == msg.request_id and body["model"] == MODEL
     assert body["choices"][0]["text"] == "Hi you!" and body["choices"][0]["finish_reason"] == "stop"
     usage = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     assert usage == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
@@ -159,7 +158,7 @@ def test_raw_sse_shape_and_done(fleet):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert all(e.startswith("data: ") for e in events[:-1])
-    assert all(c["object"] == "text_completion" and c["id"] + "-0" == msg.request_id for c in chunks)
+    assert all(c["object"] == "text_completion" and c["id"] == msg.request_id for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == "xyz"
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
@@ -313,3 +312,35 @@ def test_short_prompts_prefilled_on_decode_worker(redis_url, key_prefix):
         metrics = httpx.get(gw.url + "/metrics").text
         assert 'skyline_gateway_requests_total{route="colocated",status="200",tier="standard"} 1.0' in metrics
         assert 'skyline_gateway_ttft_seconds_count{tier="standard"} 1.0' in metrics
+
+
+def test_reasoning_parser_splits_reasoning_from_content(redis_url, key_prefix):
+    """`--reasoning-parser` as vllm serve takes it: vLLM's parser runs in the gateway, on the fleet's frames."""
+    cfg = make_cfg(redis_url, key_prefix, reasoning_parser="deepseek_r1")
+    announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
+    worker = HandWorker(redis_url, Keys(key_prefix))
+    think, end = 257, 258  # skyline/sim_model.py
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(2) as pool:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        for stream in (False, True):
+            def run(stream=stream):
+                kw = dict(model=MODEL, messages=[{"role": "user", "content": "why?"}], max_tokens=32)
+                if not stream:
+                    m = client.chat.completions.create(**kw).choices[0].message
+                    return m.model_extra.get("reasoning"), m.content
+                reasoning, content = "", ""
+                for c in client.chat.completions.create(**kw, stream=True):
+                    if c.choices:
+                        reasoning += c.choices[0].delta.model_extra.get("reasoning") or ""
+                        content += c.choices[0].delta.content or ""
+                return reasoning, content
+
+            fut = pool.submit(run)
+            _f, msg = worker.take("prefill")
+            rid = msg.request_id
+            deltas = [([think], "<think>"), ([ord(c) for c in "hmm"], "hmm"), ([end], "</think>"),
+                      ([ord(c) for c in "yes"], "yes")]
+            frames = [messages.TokenDelta(rid, i, i, ids, text) for i, (ids, text) in enumerate(deltas)]
+            worker.send(*frames, messages.Finished(rid, len(frames), "stop", 0, 6), gap_s=0.01)
+            reasoning, content = fut.result()
+            assert (reasoning, content.strip()) == ("hmm", "yes"), stream

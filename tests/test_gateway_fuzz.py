@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
 from skyline.gateway.testing import GatewayThread, stream_lengths
-from skyline.tokenizer import SimTokenizer
 
 MODEL = "sim-model"
 
@@ -27,7 +26,9 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=10)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "n", "stop", "stream", "stream_options", "seed", "logprobs", "echo", "best_of", "presence_penalty",
-          "frequency_penalty", "response_format", "ignore_eos", "skyline", "user", "tools"]
+          "frequency_penalty", "response_format", "ignore_eos", "slo", "user", "tools", "tool_choice",
+          "structured_outputs", "logit_bias", "top_logprobs", "prompt_logprobs", "min_tokens", "priority",
+          "kv_transfer_params", "bad_words", "allowed_token_ids", "stop_token_ids", "truncate_prompt_tokens"]
 plausible = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), values)},
     optional={f: st.one_of(values, st.just("hi"), st.just([{"role": "user", "content": "hi"}]),

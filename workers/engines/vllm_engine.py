@@ -275,6 +275,13 @@ class VllmEngine(Engine):
             if params.prompt_logprobs is not None:  # the prefill engine computed them (this one never sees the prompt)
                 params.prompt_logprobs = None
                 params.skip_reading_prefix_cache = False
+            if params.n > 1:
+                # vLLM's n children would each pull the same remote blocks, and the prefill engine frees
+                # them at the first reader's notification. Pull once, then fan out here: the children
+                # find the prompt's blocks in this engine's prefix cache.
+                evidence["num_remote_tokens"] = await self._pull_once(req, handle)
+                evidence["pulled_once_for_n"] = params.n
+                params.extra_args = {k: v for k, v in params.extra_args.items() if k != "kv_transfer_params"} or None
         first = True
         async for out in self._run(req, params):
             prompt_lps = logprobs.to_wire(out.prompt_logprobs) if first and out.prompt_logprobs else None
@@ -292,10 +299,25 @@ class VllmEngine(Engine):
                     chunk.done = True
                     chunk.finish_reason = chunk.finish_reason or "stop"
                     evidence["num_cached_tokens"] = out.num_cached_tokens or 0
-                    evidence["num_remote_tokens"] = self._remote_tokens.get(req.request_id, 0)
+                    evidence.setdefault("num_remote_tokens", self._remote_tokens.get(req.request_id, 0))
                     chunk.kv_transfer = evidence
                 if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs or chunk.done:
                     yield chunk
+
+    async def _pull_once(self, req: EngineRequest, handle: dict[str, Any]) -> int:
+        """Load the prompt's KV from the prefill engine with one one-token sequence; the tokens loaded."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"kv_transfer_params": handle})
+        loaded = 0
+        async for out in self._run(pull, params):
+            loaded = self._remote_tokens.get(pull.request_id, loaded)
+            if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+                raise KVTransferError(f"request {req.request_id}: pulling its KV failed in the engine")
+        return loaded
 
     async def _run(self, req: EngineRequest, params: Any) -> AsyncIterator[Any]:
         """Submit one request under the caller's id and yield vLLM's outputs."""
