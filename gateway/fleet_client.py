@@ -103,14 +103,16 @@ class FleetClient:
                        data_parallel_rank: int | None = None, trace_headers: Any = None,
                        **_parser_state: Any) -> AsyncGenerator[Any, None]:
         # trace_headers: vLLM drops them too unless OTLP tracing is configured, which a gateway is not.
-        # _parser_state (reasoning_ended, reasoning_parser_kwargs): the engine-side reasoning budget
-        # (thinking_token_budget), refused in _check; the parsers themselves run here, in the gateway.
+        # _parser_state (reasoning_ended, reasoning_parser_kwargs): what an engine needs to start a
+        # grammar only after the reasoning ends; not carried (see _refuse_engine_extras). The
+        # parsers themselves run here, in the gateway.
         scope = SCOPE.get()
         session: Session | None = None
         status, fin = 500, None
         try:
             self._check(prompt, sampling_params, request_id, lora_request, priority)
-            _refuse_engine_extras(prompt, sampling_params, session_id, kv_hints, data_parallel_rank)
+            _refuse_engine_extras(prompt, sampling_params, session_id, kv_hints, data_parallel_rank,
+                                  _parser_state.get("reasoning_parser_kwargs"))
             ids = list(prompt["prompt_token_ids"])
             fleet_id = _fleet_id(scope, request_id)
             prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
@@ -224,7 +226,7 @@ def _fleet_id(scope: RequestScope, request_id: str) -> str:
 
 
 def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_hints: Any,
-                          data_parallel_rank: int | None) -> None:
+                          data_parallel_rank: int | None, reasoning_parser_kwargs: dict | None = None) -> None:
     """What vLLM's server hands its engine beside the prompt and the sampling, which Skyline does not
     carry to its workers: refused with a 400 rather than accepted and dropped."""
     from vllm.exceptions import VLLMValidationError
@@ -249,6 +251,11 @@ def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_
         refuse("X-data-parallel-rank", "workers, not data-parallel ranks, serve requests")
     if getattr(params, "thinking_token_budget", None) is not None:
         refuse("thinking_token_budget", "the engine-side reasoning budget is not carried to the workers")
+    if reasoning_parser_kwargs is not None and params.structured_outputs is not None:
+        # vLLM's engine would apply the grammar only once the reasoning ends; the workers' engines
+        # do not know the reasoning parser, so they would constrain the reasoning too.
+        refuse("response_format", "structured outputs together with a reasoning parser are not carried "
+                                  "to the workers yet")
 
 
 def _not_for_a_gateway(name: str):

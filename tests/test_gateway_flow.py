@@ -344,3 +344,8 @@ def test_reasoning_parser_splits_reasoning_from_content(redis_url, key_prefix):
             worker.send(*frames, messages.Finished(rid, len(frames), "stop", 0, 6), gap_s=0.01)
             reasoning, content = fut.result()
             assert (reasoning, content.strip()) == ("hmm", "yes"), stream
+        # The workers' engines do not know the reasoning parser: a grammar would constrain the reasoning too.
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json?"}],
+                                           max_tokens=8, response_format={"type": "json_object"})
+        assert "reasoning parser" in ei.value.message

@@ -40,7 +40,12 @@ def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[SimFleet, str]:
     fleet.start_gateway()
     fleet.start_worker("prefill-0", "prefill")
     fleet.start_worker("decode-0", "decode", "--max-running", "256")
-    fleet.wait_ready({"prefill": 1, "decode": 1})
+    try:
+        # The gateway imports vLLM's serving layer at start (~10 s on a cold cache of this machine).
+        fleet.wait_ready({"prefill": 1, "decode": 1}, timeout_s=180)
+    except BaseException:
+        fleet.stop()  # nothing left running when the fleet never came up
+        raise
     return fleet, fleet.url
 
 
