@@ -56,7 +56,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     """The gateway app for the model at `model_path` (its config and tokenizer; no weights).
     Its lifespan connects Redis (`cfg.redis.url`), creates the consumer groups, starts the
     token relay and the worker-role cache; shutting down closes them."""
-    serving = Serving(cfg, served_model, max_model_len)
+    serving = Serving(cfg, served_model)
     keys = Keys(cfg.key_prefix)
     metrics = GatewayMetrics()
     observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record

@@ -29,13 +29,11 @@ log = logging.getLogger("skyline.gateway")
 class Frontend:
     """vLLM's serving objects for one served model, over one FleetClient."""
 
-    client: Any  # gateway.fleet_client.FleetClient
     models: Any  # OpenAIServingModels
     chat: Any  # OpenAIServingChat
     completion: Any  # OpenAIServingCompletion
     responses: Any  # OpenAIServingResponses
     tokenization: Any  # ServingTokenization
-    max_model_len: int
 
 
 def vllm_config(model_path: str, max_model_len: int, reasoning_parser: str = "") -> Any:
@@ -109,4 +107,4 @@ def build_frontend(cfg: SkylineConfig, client_cls: type, dispatcher: Any, model_
                                        chat_template_content_format="auto")
     log.info("OpenAI surface: vLLM's serving layer (tool parser %s, auto tool choice %s, reasoning parser %s)",
              tool_parser or "none", g.enable_auto_tool_choice, reasoning or "none")
-    return Frontend(client, models, chat, completion, responses, tokenization, max_model_len)
+    return Frontend(models, chat, completion, responses, tokenization)

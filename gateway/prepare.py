@@ -51,7 +51,6 @@ class Serving:
 
     cfg: SkylineConfig
     served_model: str
-    max_model_len: int
 
     @property
     def policy(self) -> DisaggPolicy:

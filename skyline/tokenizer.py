@@ -1,9 +1,8 @@
-"""Tokenizers the gateway uses to turn prompts into token ids.
+"""Tokenizers the benchmark's prompt builder uses to make prompts of exact lengths.
 
-The gateway tokenizes (and applies the chat template) so it knows each
-prompt's length for validation and scheduling, and so every engine receives
-exactly the same token ids: that is what makes greedy output through Skyline
-identical to a colocated run.
+The gateway itself renders and tokenizes with vLLM's renderer (gateway/openai_api.py).
+`SimTokenizer` mirrors the sim model folder's tokenizer and chat template
+(skyline/sim_model.py): one token per byte.
 """
 
 from __future__ import annotations
