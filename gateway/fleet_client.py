@@ -125,16 +125,19 @@ class FleetClient:
                 # is Starlette's to watch: it cancels the response when the client goes).
                 watch = scope.raw if not (scope.stream and scope.started) else None
                 frames = await session.frames(watch)
-                for f in frames:
-                    if isinstance(f, messages.Failed):
-                        status = f.status if 400 <= f.status <= 599 else 500
-                        raise ApiError(status, f.message, type=f.type, code=f.code)
-                    if isinstance(f, messages.Finished):
-                        fin = f
-                out = assembler.add(frames)
+                # Tokens that arrived before a failure in the same batch are the client's: send them,
+                # then the error (a stream then ends with an error chunk after its text, as it happened).
+                failed = next((f for f in frames if isinstance(f, messages.Failed)), None)
+                if failed is not None:
+                    frames = frames[:frames.index(failed)]
+                fin = next((f for f in frames if isinstance(f, messages.Finished)), fin)
+                out = assembler.add(frames) if frames else None
                 if out is not None:
                     scope.started = True
                     yield out
+                if failed is not None:
+                    status = failed.status if 400 <= failed.status <= 599 else 500
+                    raise ApiError(status, failed.message, type=failed.type, code=failed.code)
             status = 200
             if fin is not None:
                 scope.finals.append((session, fin))
