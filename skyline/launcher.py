@@ -4,26 +4,33 @@ Starts (unless --redis-url names an existing server) a local Redis bound to
 127.0.0.1, then the gateway and the workers, each its own process running
 `python -m skyline.cli ...` (the same commands a user runs by hand to scale
 out), and one batch runner (`skyline batch-runner`, an RQ worker for batch
-jobs). Their output is relayed with a name prefix. It prints the URLs and a
-ready-to-paste request once the gateway and every worker are up. Ctrl-C (or
-SIGTERM) stops everything it started, workers first so they can drain.
+jobs). Each one's whole output goes to $SKYLINE_HOME/logs/<name>.log; the
+terminal gets a line per process started and ready, a spinner meanwhile,
+warnings and errors, then the banner (URLs, a ready-to-paste request) and the
+fleet's request log (skyline/progress.py decides; --verbose relays every line).
+Ctrl-C (or SIGTERM) stops everything it started, workers first so they can drain.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from skyline.config import SkylineConfig
+from skyline.progress import Console, LineFilter, Seen, rotate, tail
 from skyline.redis_server import FLEET_USER, free_port, start_redis
 
 
@@ -72,21 +79,47 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
     return plan
 
 
-def _relay(name: str, proc: subprocess.Popen) -> None:
-    assert proc.stdout is not None
-    for line in iter(proc.stdout.readline, b""):
-        sys.stdout.write(f"{name:>10} | {line.decode(errors='replace')}")
-        sys.stdout.flush()
+@dataclass
+class Child:
+    """One process `up` started: all its output goes to `log`; the terminal gets what `_relay` lets through."""
+
+    name: str
+    role: str  # gateway, prefill, decode or batch
+    proc: subprocess.Popen
+    log: Path
+    relay: threading.Thread | None = None
+    ready: bool = False
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], procs: list) -> subprocess.Popen:
+def _relay(child: Child, log: BinaryIO, console: Console, fleet_up: threading.Event, verbose: bool,
+           seen: Seen) -> None:
+    # Every line goes to the log file as it comes; the terminal gets all of them with --verbose,
+    # else what LineFilter picks (skyline/progress.py).
+    assert child.proc.stdout is not None
+    keep = LineFilter(seen)
+    with log:
+        for raw in iter(child.proc.stdout.readline, b""):
+            log.write(raw)
+            log.flush()  # a crash's last lines must be in the file when `up` shows its tail
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if verbose or keep.show(line, fleet_up.is_set()):
+                console.line(f"{child.name:>10} | {line}")
+
+
+def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children: list[Child], logs: Path,
+           console: Console, fleet_up: threading.Event, verbose: bool, seen: Seen) -> Child:
+    log = open(rotate(logs / f"{name}.log"), "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyline.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,  # Ctrl-C goes to us; we stop children in order
     )
-    procs.append((name, proc))
-    threading.Thread(target=_relay, args=(name, proc), daemon=True).start()
-    return proc
+    child = Child(name, role, proc, Path(log.name))
+    children.append(child)
+    console.line(f"{name:>10} | starting, pid {proc.pid}")
+    child.relay = threading.Thread(target=_relay, args=(child, log, console, fleet_up, verbose, seen),
+                                   daemon=True)
+    child.relay.start()
+    return child
 
 
 def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
@@ -102,23 +135,72 @@ def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _wait_ready(url: str, procs: list, want: dict[str, int], timeout_s: float) -> None:
-    import json
+class StartupFailed(Exception):
+    def __init__(self, child: Child):
+        super().__init__(f"{child.name} exited with code {child.proc.returncode} during start-up")
+        self.child = child
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for name, p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode} during start-up (see its log above)")
+
+def _wait_ready(url: str, children: list[Child], batch_registered: Callable[[], bool], console: Console,
+                logs: Path, timeout_s: float) -> None:
+    """Until every child is ready; says "ready" for each as it gets there and spins meanwhile."""
+    t0 = time.monotonic()
+    next_probe = t0
+    while time.monotonic() < t0 + timeout_s:
+        for child in children:
+            if child.proc.poll() is not None:
+                raise StartupFailed(child)
+        if time.monotonic() >= next_probe:  # probe twice a second, spin ten times
+            _mark_ready(url, children, batch_registered, console)
+            next_probe = time.monotonic() + 0.5
+        waiting = [c.name for c in children if not c.ready]
+        if not waiting:
+            return
+        console.spin(f"waiting for {', '.join(waiting)}  ({time.monotonic() - t0:.0f}s; logs: {logs})")
+        time.sleep(0.1)
+    raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(c.name for c in children if not c.ready)}")
+
+
+def _mark_ready(url: str, children: list[Child], batch_registered: Callable[[], bool], console: Console) -> None:
+    # The gateway is ready when /health answers 200; a worker when /health counts it. /health
+    # counts workers per role, not by name: with n of a role counted, the first n started are
+    # called ready (the line says "n of N" so the count is what it claims).
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            workers: dict[str, int] | None = json.loads(resp.read()).get("workers", {})
+    except (OSError, ValueError):
+        workers = None
+    for child in children:
+        if child.ready:
+            continue
+        same_role = [c for c in children if c.role == child.role]
+        if child.role == "gateway":
+            child.ready, why = workers is not None, "/health answers"
+        elif child.role == "batch":
+            child.ready, why = batch_registered(), "registered with RQ, waiting for batch jobs"
+        else:
+            counted = (workers or {}).get(child.role, 0)
+            child.ready = same_role.index(child) < counted
+            why = f"/health counts {min(counted, len(same_role))} of {len(same_role)} {child.role} workers"
+        if child.ready:
+            console.line(f"{child.name:>10} | ready: {why}")
+
+
+def _rq_registered(cfg: SkylineConfig, name: str) -> Callable[[], bool]:
+    """Whether the batch runner's RQ worker `name` has registered in Redis: it has no /health."""
+    from redis.exceptions import RedisError
+    from rq import Worker
+
+    from skyline.batch.jobs import rq_connection
+
+    def registered() -> bool:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                workers = json.loads(resp.read()).get("workers", {})
-                if all(workers.get(role, 0) >= n for role, n in want.items()):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"fleet not ready after {timeout_s:.0f}s")
+            with rq_connection(cfg.redis) as conn:
+                return bool(conn.exists(Worker.redis_worker_namespace_prefix + name))
+        except (RedisError, OSError, ValueError):
+            return False
+
+    return registered
 
 
 def fleet_password(home: Path) -> str:
@@ -136,83 +218,132 @@ def _interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
 
+def _stopping() -> None:
+    # Once stopping, a second Ctrl-C (an impatient user; `timeout` forwarding its SIGINT to the
+    # group) must not break off the orderly stop: that would leave Redis running with a traceback.
+    # _stop_all ends within 30 s anyway (then SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     # Ctrl-C and SIGTERM both stop the fleet, also when `up` was started in the
     # background by a shell (which starts it with SIGINT ignored).
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     home = Path(os.environ.get("SKYLINE_HOME", "~/.cache/skyline")).expanduser()
-    procs: list[tuple[str, subprocess.Popen]] = []
+    logs = home / "logs"
+    verbose = getattr(args, "verbose", False)
+    console = Console()
+    fleet_up = threading.Event()  # set at the banner: from then on the terminal also gets Skyline's INFO lines
+    children: list[Child] = []
     redis_proc = None
+    console.line(f"skyline up: each process logs to {logs}/<name>.log"
+                 + ("" if verbose else "; here: progress, warnings, errors (--verbose: everything)"))
     try:  # from here: a Ctrl-C, even during the first run's model preparation, stops what started
         if not args.redis_url and not os.environ.get("SKYLINE_REDIS_URL"):
             # The fleet connects as a restricted ACL user (no admin commands); the
             # default user stays for an operator's `redis-cli` on this machine only.
             password = fleet_password(home)
-            redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence, home / "redis.log",
-                                     fleet_password=password, own_session=True)  # stopped last, below
-            cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0"))
+            redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence,
+                                     rotate(logs / "redis.log"), fleet_password=password,
+                                     own_session=True)  # stopped last, below
+            cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0",
+                                             password=password))  # children: the URL and the environment
             os.environ["SKYLINE_REDIS_PASSWORD"] = password  # children inherit it; never on a command line
+            console.line(f"{'redis':>10} | ready: 127.0.0.1:{args.redis_port}, pid {redis_proc.pid}")
         if cfg.engine.kind == "vllm":
             from skyline.model import resolve_model
 
-            print(f"model: {resolve_model(cfg.engine.model)}", flush=True)  # prepares the default model once
+            console.line(f"model: {resolve_model(cfg.engine.model)}")  # prepares the default model once
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
             env["SKYLINE_API_KEYS"] = ",".join(cfg.gateway.api_keys)
         common = _common_args(cfg, args)
+        seen = Seen()  # the warnings already shown, fleet-wide
+        spawn = lambda name, role, argv: _spawn(name, role, argv, env, children, logs,  # noqa: E731
+                                                console, fleet_up, verbose, seen)
         gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
               *_openai_surface_args(cfg)]
         t0 = time.monotonic()
-        _spawn("gateway", gw, env, procs)
+        spawn("gateway", "gateway", gw)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)
         for name, extra in plan:
-            _spawn(name, ["worker", extra[0], *common, *extra[1:]], env, procs)
+            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:]])
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-        # One batch runner (an RQ worker) runs batch jobs through this gateway (README "Batch jobs").
-        _spawn("batch", ["batch-runner", *common, "--gateway-url", url], env, procs)
-        want: dict[str, int] = {}
-        for _, extra in plan:
-            want[extra[0]] = want.get(extra[0], 0) + 1
-        _wait_ready(url, procs, want, timeout_s=600)
-        _banner(cfg, url, time.monotonic() - t0, plan)
-        while all(p.poll() is None for _, p in procs):
+        # One batch runner (an RQ worker) runs batch jobs through this gateway (docs/batch.md).
+        runner = f"batch-runner-{socket.gethostname()}-{os.getpid()}"
+        spawn("batch", "batch", ["batch-runner", *common, "--gateway-url", url, "--name", runner])
+        try:
+            _wait_ready(url, children, _rq_registered(cfg, runner), console, logs, timeout_s=600)
+        except StartupFailed as exc:
+            console.done()
+            _show_death(exc.child, console, verbose)
+            console.line("skyline up: stopping the fleet")
+            return 1
+        except TimeoutError as exc:
+            console.done()
+            console.line(f"skyline up: {exc}; their logs are in {logs}. Stopping the fleet")
+            return 1
+        console.done()
+        _banner(cfg, url, time.monotonic() - t0, plan, logs, console)
+        fleet_up.set()
+        while all(c.proc.poll() is None for c in children):
             time.sleep(0.5)
-        dead = [f"{n} (exit {p.returncode})" for n, p in procs if p.poll() is not None]
-        print(f"skyline up: {', '.join(dead)} stopped; shutting down the fleet", flush=True)
+        dead = [c for c in children if c.proc.poll() is not None]
+        for child in dead:
+            _show_death(child, console, verbose)
+        console.line(f"skyline up: {', '.join(f'{c.name} (exit {c.proc.returncode})' for c in dead)} stopped; "
+                     "shutting down the fleet")
         return 1
     except KeyboardInterrupt:
-        print("\nskyline up: stopping...", flush=True)
+        _stopping()
+        console.done()
+        console.line("\nskyline up: stopping...")
         return 0
     finally:
-        _stop_all(procs)
+        _stopping()
+        _stop_all(children)
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
 
 
-def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
+def _show_death(child: Child, console: Console, verbose: bool) -> None:
+    """What a process that died printed last (already on the terminal with --verbose) and where its log is."""
+    if child.relay is not None:
+        child.relay.join(timeout=2)  # its last lines reach the file first
+    console.line(f"skyline up: {child.name} exited with code {child.proc.returncode}; its log: {child.log}")
+    if not verbose:
+        console.line("\n".join(f"{child.name:>10} | {line}" for line in tail(child.log)))
+
+
+def _stop_all(children: list[Child]) -> None:
     # Workers first (they drain and deregister), the gateway last.
-    for _name, p in sorted(procs, key=lambda np: np[0] == "gateway"):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+    for child in sorted(children, key=lambda c: c.role == "gateway"):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
-    for _name, p in procs:
+    for child in children:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+    for child in children:  # their last lines (how they stopped) reach their log files
+        if child.relay is not None:
+            child.relay.join(timeout=2)
 
 
-def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, list[str]]]) -> None:
+def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, list[str]]], logs: Path,
+            console: Console) -> None:
     # The fleet connects as the restricted ACL user; an operator on this machine uses the default user.
     admin_url = cfg.redis.url.replace(f"{FLEET_USER}:@", "")
     from skyline.cli import model_identity
 
     _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
     auth = f' -H "Authorization: Bearer {cfg.gateway.api_keys[0]}"' if cfg.gateway.api_keys else ""
-    print(
+    console.line(
         f"""
 Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
   gateway   {url}   (OpenAI API: {url}/v1)
@@ -222,14 +353,13 @@ Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
   metrics   {url}/metrics{_worker_metrics(plan)}
   trace     skyline trace <request id> --redis-url {admin_url}
   batches   skyline batch submit FILE.jsonl --gateway-url {url}   (one batch runner is running; rq info -u {admin_url})
+  logs      {logs}/   (one <name>.log per process, the previous start's as <name>.log.1)
 
 Try it:
   curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
-Ctrl-C stops everything.
-""",
-        flush=True,
+Ctrl-C stops everything. Below: the request log, warnings and errors.""",
     )
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from skyline.progress import Console, LineFilter, Seen
 from skyline.redis_server import free_port
 
 
@@ -33,27 +37,69 @@ def _cmdlines() -> list[str]:
     return out
 
 
+class Terminal:
+    """What `skyline up` prints, read as it comes (stdout is a pipe here: no spinner, whole lines)."""
+
+    def __init__(self, args: list[str], home: Path, **env: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,  # as in a terminal
+            env=dict(os.environ, SKYLINE_HOME=str(home), PYTHONUNBUFFERED="1", **env),
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout_s: float = 60) -> int:
+        """Index of the first line containing `text` (waits for it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for i, line in enumerate(list(self.lines)):
+                if text in line:
+                    return i
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not printed; got:\n" + "".join(self.lines)[-3000:])
+
+    def ctrl_c(self) -> int:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's foreground group
+        rc = self.proc.wait(timeout=60)
+        self.reader.join(timeout=10)
+        return rc
+
+
+PROCESSES = ["redis", "gateway", "prefill-0", "prefill-1", "decode-0", "decode-1", "batch"]
+
+
 def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
     gw_port, redis_port = free_port(), free_port()
     (tmp_path / "keys.txt").write_text(API_KEY + "\n")
     (tmp_path / "cfg.toml").write_text(f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n')
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", "--prefill", "2", "--decode", "2",
-         "--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0",
-         "--config", str(tmp_path / "cfg.toml")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,  # as in a terminal
-        env=dict(os.environ, SKYLINE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
-    )
-    banner = []
+    term = Terminal(["--prefill", "2", "--decode", "2", "--port", str(gw_port), "--redis-port", str(redis_port),
+                     "--metrics-port-base", "0", "--config", str(tmp_path / "cfg.toml")], tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            banner.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
+        end = term.wait_for("Ctrl-C stops everything")
+        banner = term.lines[:end + 1]
         text = "".join(banner)
         assert "Skyline is up" in text, text[-3000:]
+        # Before the banner: a short progress report, one "starting" and one "ready" line per
+        # process, no start-up chatter (the INFO lines are in the log files), no spinner redraws.
+        before = term.lines[:term.wait_for("Skyline is up")]
+        assert len(before) < 40, "".join(before)
+        assert not any(" INFO " in line for line in before), "".join(before)
+        assert "\r" not in text
+        for name in PROCESSES:
+            ready = [line for line in before if re.match(rf"\s*{name} \| ready", line)]
+            assert len(ready) == 1, (name, "".join(before))
+            if name != "redis":
+                assert sum(bool(re.match(rf"\s*{name} \| starting, pid \d+", line)) for line in before) == 1
+        logs = tmp_path / "logs"
+        assert f"{logs}/" in text  # the banner says where the logs are
         assert f"http://127.0.0.1:{gw_port}" in text and f"redis://127.0.0.1:{redis_port}/0" in text
         assert "curl " in text and '"model": "skyline-sim"' in text
         with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/health", timeout=5) as resp:
@@ -63,6 +109,11 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
                                      {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert json.loads(resp.read())["usage"]["completion_tokens"] == 5
+            rid = resp.headers["x-skyline-request-id"]
+        # The fleet's request log reaches the terminal after the banner: the request events of
+        # every process that handled it (logger skyline.events), by the request's id.
+        term.wait_for(f"skyline.events: responded request_id={rid}", timeout_s=10)
+        assert any(re.match(r"\s*decode-\d \| .* skyline.events: finished ", line) for line in term.lines[end:])
         anonymous = urllib.request.Request(f"http://127.0.0.1:{gw_port}/v1/completions", body,
                                            {"Content-Type": "application/json"})
         try:
@@ -75,10 +126,86 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
         password = (tmp_path / "redis-fleet.password").read_text().strip()
         assert password and not any(password in c for c in _cmdlines())
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's foreground group
-        rc = proc.wait(timeout=60)
+        rc = term.ctrl_c()
     assert rc == 0
-    # Redis is stopped last, after the workers and the gateway drained: none of them lost it on the way out.
-    shutdown = proc.stdout.read()
+    # Redis is stopped last, after the workers and the gateway drained: none of them lost it on the way out
+    # (each process's whole output is in its log file, its start-up and its shutdown included).
+    shutdown = "".join(term.lines[end:]) + "".join((logs / f"{n}.log").read_text() for n in PROCESSES)
     assert "Connection refused" not in shutdown and "lost Redis" not in shutdown, shutdown[-3000:]
     assert not _port_open(gw_port) and not _port_open(redis_port), "something `up` started is still running"
+    assert "INFO skyline.gateway: gateway serving" in (logs / "gateway.log").read_text()
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        worker_log = (logs / f"{name}.log").read_text()
+        assert re.search(r"INFO skyline.worker: worker \S+ ready", worker_log), worker_log[-2000:]
+        assert re.search(r"INFO skyline.worker: worker \S+ stopped", worker_log), worker_log[-2000:]
+    assert "INFO skyline.batch: batch runner" in (logs / "batch.log").read_text()
+    assert (logs / "redis.log").stat().st_size > 0
+
+
+def test_up_verbose_relays_every_line_and_a_failed_start_shows_its_log(tmp_path):
+    # --verbose: today's terminal, every line of every process with its name.
+    term = Terminal(["--verbose", "--port", str(free_port()), "--redis-port", str(free_port()),
+                     "--metrics-port-base", "0"], tmp_path)
+    try:
+        banner = term.wait_for("Skyline is up")
+        before = "".join(term.lines[:banner])
+        assert re.search(r"gateway \| .* INFO skyline.gateway: gateway serving", before), before[-3000:]
+        assert re.search(r"decode-0 \| .* INFO skyline.worker: worker \S+ ready", before), before[-3000:]
+        assert "decode-0 | ready: /health counts 1 of 1 decode workers" in before
+    finally:
+        assert term.ctrl_c() == 0
+    # A process that dies while starting: its last lines and its log's path on the terminal, the fleet stopped.
+    term = Terminal(["--port", str(free_port()), "--redis-port", str(free_port()), "--metrics-port-base", "0"],
+                    tmp_path, SKYLINE_ADVERTISE_HOST="0.0.0.0")  # workers refuse a bind-all address at start
+    assert term.proc.wait(timeout=60) == 1
+    term.reader.join(timeout=10)
+    out = "".join(term.lines)
+    assert "Skyline is up" not in out
+    assert re.search(rf"(prefill|decode)-0 exited with code 1; its log: {tmp_path}/logs/(prefill|decode)-0.log",
+                     out), out
+    assert re.search(r"(prefill|decode)-0 \| skyline worker: worker.advertise_host = '0.0.0.0' is a bind-all", out)
+    assert "skyline up: stopping the fleet" in out and "Traceback" not in out
+    # The earlier start's logs were kept, one generation.
+    assert "INFO skyline.gateway: gateway serving" in (tmp_path / "logs" / "gateway.log.1").read_text()
+
+
+def test_quiet_terminal_keeps_warnings_tracebacks_and_the_request_log():
+    vllm = "(EngineCore_DP0 pid=7) {} 01-02 03:04:05 [core.py:93] {}"
+    keep = LineFilter()
+    assert not keep.show(vllm.format("INFO", "Initializing a V1 LLM engine"), fleet_up=False)
+    assert keep.show(vllm.format("WARNING", "Not enough KV cache blocks"), fleet_up=False)
+    assert keep.show(vllm.format("ERROR", "EngineCore failed to start."), fleet_up=False)
+    assert not keep.show("2026-01-02 03:04:05,678 INFO skyline.worker: worker d-1 ready", fleet_up=False)
+    assert keep.show("2026-01-02 03:04:05,678 INFO skyline.events: arrived request_id=r1", fleet_up=True)
+    assert not keep.show("2026-01-02 03:04:05,678 INFO uvicorn.error: Started server", fleet_up=True)
+    assert not keep.show(vllm.format("INFO", "Avg prompt throughput: 1.0 tokens/s"), fleet_up=True)
+    assert keep.show('{"ts": "t", "level": "INFO", "logger": "skyline.events", "event": "finished"}', fleet_up=True)
+    traceback = ["Traceback (most recent call last):", '  File "w.py", line 3, in main', "    run()",
+                 "OSError: [Errno 98] Address already in use"]
+    assert all(keep.show(line, fleet_up=False) for line in traceback)
+    assert not keep.show("Loading weights: 100%", fleet_up=False)  # the traceback ended with its exception line
+    # vLLM repeats its start-up warnings in every engine process: the terminal shows each once until the banner.
+    seen = Seen()
+    prefill, decode = LineFilter(seen), LineFilter(seen)
+    triton = "2026-01-02 03:04:05,678 WARNING vllm.platforms.cpu: Triton is not installed."
+    assert prefill.show(triton, fleet_up=False)
+    assert not decode.show(vllm.format("WARNING", "Triton is not installed."), fleet_up=False)
+    assert decode.show(vllm.format("ERROR", "EngineCore failed to start."), fleet_up=False)  # errors: every one
+    assert decode.show(triton, fleet_up=True)
+    # Warnings every CPU start prints that ask nothing of the operator stay in the log files until the banner.
+    eager = vllm.format("WARNING", "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup.")
+    assert not LineFilter(Seen()).show(eager, fleet_up=False)
+    assert LineFilter(Seen()).show(eager, fleet_up=True)
+
+
+def test_spinner_only_on_a_terminal():
+    import io
+
+    pipe, tty = io.StringIO(), io.StringIO()
+    for out, live in ((pipe, False), (tty, True)):
+        console = Console(out, live=live)
+        console.spin("waiting for decode-0")
+        console.line("  decode-0 | ready")
+        console.done()
+    assert pipe.getvalue() == "  decode-0 | ready\n"  # a pipe (CI, a log of the terminal) gets whole lines only
+    assert "waiting for decode-0" in tty.getvalue() and tty.getvalue().endswith("\r\x1b[K")
