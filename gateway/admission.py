@@ -1,6 +1,8 @@
 """The gateway's side of admission control: gather the fleet's load, ask the policy, act.
 
-The decision itself is `skyline.scheduler.admission.admit` (pure). Here: the
+The decision itself is `skyline.scheduler.admission.decide` (pure: `admit` with the
+calibration's scale; `demoted`, `learn_ttft`, `pool_rate`, `stage_of` and
+`policy_of` live there too, shared with the simulator). Here: the
 backlog comes from the `skyline:backlog` hash, read in the same transaction
 that reserves this request's tokens (so a burst sees itself), the measured
 prefill throughput from the heartbeats the FleetView caches, and the scale
@@ -22,27 +24,10 @@ from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
 from skyline.keys import Keys
-from skyline.scheduler.admission import AdmissionPolicy, FleetLoad, TtftCalibration, admit
+from skyline.scheduler.admission import (
+    AdmissionPolicy, TtftCalibration, decide, demoted, learn_ttft, pool_rate, stage_of,
+)
 from skyline.streams import release_backlog, reserve_backlog
-
-
-def policy_of(cfg: SkylineConfig) -> AdmissionPolicy:
-    g = cfg.gateway
-    return AdmissionPolicy(cfg.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
-                           g.max_queued_tokens)
-
-
-def stage_of(route: str) -> str:
-    """Where the request's prefill happens: colocated requests are prefilled by decode workers."""
-    return "prefill" if route == "disagg" else "decode"
-
-
-def pool_rate(fleet: FleetView, stage: str) -> float | None:
-    """Measured prefill tokens/s of the stage's live pool (decode workers measure the
-    prompts they compute themselves); None until some worker has measured one."""
-    pool = [w for w in fleet.workers if w.role == stage]
-    rates = [w.tokens_per_s for w in pool if w.tokens_per_s > 0]
-    return sum(rates) * len(pool) / len(rates) if rates else None  # unmeasured workers count at the mean
 
 
 async def apply_admission(
@@ -54,9 +39,8 @@ async def apply_admission(
     req = prep.request
     stage, tokens = stage_of(prep.route), len(req.prompt_token_ids)
     backlog = await reserve_backlog(r, keys, stage, req.tier, tokens)
-    scale = calibration.scale((stage, req.tier)) if calibration is not None else 1.0
-    load = FleetLoad(backlog, pool_rate(fleet, stage), scale)
-    d = admit(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, load, prep.allow_demotion)
+    d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
+                              pool_rate(fleet.workers, stage), calibration, prep.allow_demotion)
     metrics.admission.labels(req.tier, d.action).inc()
     if d.action in ("reject", "overloaded"):
         await release_backlog(r, keys, stage, req.tier, tokens)
@@ -69,13 +53,11 @@ async def apply_admission(
     if d.action == "demote":
         await release_backlog(r, keys, stage, req.tier, tokens)
         await reserve_backlog(r, keys, stage, d.tier, tokens)
-        tier = cfg.tier(d.tier)
-        # Demotion relaxes the TTFT target only; the TPOT target stays what was asked.
-        slo = replace(prep.slo, tier=tier.name, ttft_ms=tier.ttft_ms, priority=tier.priority)
-        req = replace(req, tier=tier.name, ttft_ms=slo.ttft_ms, priority=tier.priority,
+        slo = demoted(prep.slo, cfg.tier(d.tier))  # the TTFT target relaxes; the TPOT target stays
+        req = replace(req, tier=slo.tier, ttft_ms=slo.ttft_ms, priority=slo.priority,
                       deadline_ms=req.arrival_ms + slo.ttft_ms)
         return replace(prep, request=req, slo=slo, admission="demote", predicted_ttft_ms=d.predicted_ttft_ms)
-    return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms, model_ttft_ms=d.predicted_ttft_ms / scale)
+    return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms, model_ttft_ms=model_ttft_ms)
 
 
 def learn(calibration: TtftCalibration, session: Any, status: int, fin: messages.Finished | None) -> None:
@@ -86,4 +68,4 @@ def learn(calibration: TtftCalibration, session: Any, status: int, fin: messages
         return
     ttft_s = session.ttft_s()
     if ttft_s is not None:
-        calibration.observe((stage_of(prep.route), prep.slo.tier), prep.model_ttft_ms, ttft_s * 1000)
+        learn_ttft(calibration, prep.route, prep.slo.tier, prep.model_ttft_ms, ttft_s * 1000)

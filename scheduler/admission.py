@@ -23,11 +23,14 @@ would have made it, or admits ones that will not.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
 
-from skyline.scheduler.tiers import Tier
+from skyline.scheduler.tiers import Slo, Tier
+
+if TYPE_CHECKING:  # the config is read, never imported: scheduler/ stays below skyline.config
+    from skyline.config import SkylineConfig
 
 
 @dataclass(frozen=True)
@@ -97,15 +100,27 @@ def admit(
     to shrink enough; a backlog past `max_queued_tokens` is a 503 for any
     tier, so overload never means an unbounded queue.
     """
-    if sum(load.queued_tokens.values()) + prompt_tokens > policy.max_queued_tokens:
+    return _admit(policy, tiers, tier, ttft_ms, prompt_tokens, load.queued_tokens, load.prefill_tokens_per_s,
+                  load.prediction_scale, allow_demotion)
+
+
+def _admit(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms: int, prompt_tokens: int,
+           queued: Mapping[str, int], rate: float | None, scale: float, allow_demotion: bool) -> Decision:
+    """`admit` on the load's parts (once per request in a simulated hour: 3.6 M times, so no records
+    are built on the way to the common answer; the arithmetic is `tokens_ahead` and `_predict_ms`'s)."""
+    if sum(queued.values()) + prompt_tokens > policy.max_queued_tokens:
         return Decision("overloaded", tier, math.inf, retry_after_s=5, reason="prefill backlog is full")
-    ahead = tokens_ahead(tiers, tier, load)
-    predicted = _predict_ms(policy, ahead, prompt_tokens, load)
+    ahead = 0
+    for name in _tiers_ahead(tiers, tier):
+        ahead += queued.get(name, 0)
+    predicted = ((ahead + prompt_tokens) * 1000.0 / (rate or policy.prior_prefill_tokens_per_s)
+                 + policy.first_token_overhead_ms) * scale
     # Nothing ahead: the request would be served first, so refusing it cannot help
     # anyone (and a too-pessimistic throughput estimate must not shed an idle fleet).
     if predicted <= ttft_ms or tier not in policy.sheddable_tiers or ahead == 0:
         return Decision("admit", tier, predicted)
     if allow_demotion:
+        load = FleetLoad(queued, rate, scale)
         for looser in sorted((t for t in tiers if t.ttft_ms > ttft_ms), key=lambda t: t.ttft_ms):
             p = predict_ttft_ms(policy, tiers, looser.name, prompt_tokens, load)
             if p <= looser.ttft_ms or looser.name not in policy.sheddable_tiers:
@@ -140,14 +155,85 @@ class TtftCalibration:
     hi: float = 1.0
     _log_scale: dict[Hashable, float] = field(default_factory=dict)
     _scale: dict[Hashable, float] = field(default_factory=dict)  # exp of the above, read per request
+    _log_lo: float = field(default=0.0, init=False, repr=False)  # log(lo), log(hi): the bounds are set once
+    _log_hi: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._log_lo, self._log_hi = math.log(self.lo), math.log(self.hi)
 
     def observe(self, key: Hashable, predicted_ms: float, measured_ms: float) -> None:
         if predicted_ms <= 0 or measured_ms <= 0 or not math.isfinite(predicted_ms):
             return
-        ratio = min(max(measured_ms / predicted_ms, self.lo), self.hi)
+        ratio = measured_ms / predicted_ms
+        # The ratio clamped to [lo, hi]; at a bound (most requests of a fleet far from saturation),
+        # its logarithm once for all.
+        if ratio <= self.lo:
+            log_ratio = self._log_lo
+        elif ratio >= self.hi:
+            log_ratio = self._log_hi
+        else:
+            log_ratio = math.log(ratio)
         old = self._log_scale.get(key, 0.0)
-        self._log_scale[key] = new = old + self.weight * (math.log(ratio) - old)
-        self._scale[key] = math.exp(new)
+        new = old + self.weight * (log_ratio - old)
+        if new != old or key not in self._scale:  # (a converged scale stays as it is)
+            self._log_scale[key] = new
+            self._scale[key] = math.exp(new)
 
     def scale(self, key: Hashable) -> float:
         return self._scale.get(key, 1.0)
+
+
+# -- the gateway's rules around `admit`, shared by the live gateway and the simulator ------------------
+
+
+def policy_of(cfg: SkylineConfig) -> AdmissionPolicy:
+    """The admission policy a config describes."""
+    g = cfg.gateway
+    return AdmissionPolicy(cfg.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
+                           g.max_queued_tokens)
+
+
+def stage_of(route: str) -> str:
+    """Where the request's prefill happens: colocated requests are prefilled by decode workers."""
+    return "prefill" if route == "disagg" else "decode"
+
+
+def pool_rate(workers: Iterable, stage: str) -> float | None:
+    """Measured prefill tokens/s of the stage's live pool, from the workers' heartbeats (each with
+    `.role` and `.tokens_per_s`, 0 = not measured yet; decode workers measure the prompts they compute
+    themselves); None until some worker has measured one. Unmeasured workers count at the mean."""
+    n, rates = 0, []
+    for w in workers:
+        if w.role == stage:
+            n += 1
+            if w.tokens_per_s > 0:
+                rates.append(w.tokens_per_s)
+    return sum(rates) * n / len(rates) if rates else None
+
+
+def decide(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms: int, prompt_tokens: int,
+           stage: str, backlog: Mapping[str, int], rate: float | None, calibration: TtftCalibration | None = None,
+           allow_demotion: bool = False) -> tuple[Decision, float | None]:
+    """One request's admission (of `tier`, its own TTFT target `ttft_ms`): `admit` on the stage's backlog
+    and pool rate, its prediction scaled by
+    the calibration of (stage, tier). Returns the decision and the unscaled model TTFT to learn from
+    when the request ends (`learn_ttft`): only for an admission as asked (a demoted request's
+    prediction was made for another tier; a refused one is never measured)."""
+    scale = calibration._scale.get((stage, tier), 1.0) if calibration is not None else 1.0  # .scale(), inlined
+    d = _admit(policy, tiers, tier, ttft_ms, prompt_tokens, backlog, rate, scale, allow_demotion)
+    return d, (d.predicted_ttft_ms / scale if d.action == "admit" else None)
+
+
+def demoted(slo: Slo, tier: Tier) -> Slo:
+    """The SLO of a request demoted to `tier`: its TTFT target and priority; the TPOT target stays
+    what was asked (demotion relaxes the first token only)."""
+    return replace(slo, tier=tier.name, ttft_ms=tier.ttft_ms, priority=tier.priority)
+
+
+def learn_ttft(calibration: TtftCalibration | None, route: str, tier: str, model_ttft_ms: float | None,
+               ttft_ms: float | None) -> None:
+    """Feed one finished request's measured TTFT back into the calibration of its (stage, tier):
+    only requests `decide` gave a model TTFT for (None or 0: not learnt from)."""
+    if calibration is None or not model_ttft_ms or ttft_ms is None:
+        return
+    calibration.observe((stage_of(route), tier), model_ttft_ms, ttft_ms)

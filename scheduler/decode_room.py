@@ -57,12 +57,20 @@ class TokenPaceMeter:
             self._seconds, self._tokens = 0.0, 0  # no float drift carried across idle periods
 
 
+def pace_allows(seconds_per_token: float | None, tightest_tpot_ms: float | None, headroom: float) -> bool:
+    """The pace rule's verdict for a worker holding two requests or more: its streams' recent time per
+    token under `headroom` x the tightest TPOT target it holds. `headroom` <= 0 disables the check;
+    no measurement or no target: allowed. (The claim rule, scheduler/claiming.py, lets a worker holding
+    fewer than two requests claim whatever this says.)"""
+    if headroom <= 0 or seconds_per_token is None or tightest_tpot_ms is None:
+        return True
+    return seconds_per_token * 1000.0 < headroom * tightest_tpot_ms
+
+
 def tpot_room(seconds_per_token: float | None, tightest_tpot_ms: float | None, headroom: float, held: int) -> bool:
     """May a worker holding `held` requests whose streams run at `seconds_per_token` claim more?
 
-    `headroom` <= 0 disables the check. A worker holding fewer than two requests always may:
-    a lone stream slower than its target is the engine's speed, not company it could refuse,
-    and refusing would only serialise the requests behind it."""
-    if headroom <= 0 or held < 2 or seconds_per_token is None or tightest_tpot_ms is None:
-        return True
-    return seconds_per_token * 1000.0 < headroom * tightest_tpot_ms
+    A worker holding fewer than two requests always may: a lone stream slower than its target is the
+    engine's speed, not company it could refuse, and refusing would only serialise the requests behind
+    it. Otherwise `pace_allows`."""
+    return held < 2 or pace_allows(seconds_per_token, tightest_tpot_ms, headroom)

@@ -1,4 +1,4 @@
-"""Conditional disaggregation: should this prompt be prefilled on a prefill worker?"""
+"""Conditional disaggregation: should this prompt be prefilled on a prefill worker? Is its KV handle still good?"""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ def route(policy: DisaggPolicy, prompt_tokens: int, prefill_backlog_tokens: int 
     if policy.max_prefill_backlog_tokens and prefill_backlog_tokens > policy.max_prefill_backlog_tokens:
         return "colocated"
     return "disagg"
+
+
+# A prefill engine keeps a prompt's KV blocks for `engine.kv_lease_s` for a decode engine to pull;
+# a handle older than this share of the lease may point at blocks already reused.
+KV_HANDLE_LIFE = 0.8
+
+
+def handle_expired(age_ms: float, kv_lease_s: float) -> bool:
+    """Is a KV handle `age_ms` after its prefill finished too old to pull (the decode worker then
+    computes the prompt itself)? Older than `KV_HANDLE_LIFE` x the lease: reading reused blocks would
+    silently produce wrong output, recomputing costs only time."""
+    return age_ms > KV_HANDLE_LIFE * 1000 * kv_lease_s

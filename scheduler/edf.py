@@ -17,3 +17,10 @@ def pick_tier(head_deadlines_ms: Mapping[str, int], tier_order: tuple[str, ...])
         return None
     rank = {name: i for i, name in enumerate(tier_order)}
     return min(head_deadlines_ms, key=lambda t: (head_deadlines_ms[t], rank.get(t, len(rank))))
+
+
+def retry_first(retry_deadline_ms: int, stream_deadline_ms: int) -> bool:
+    """Of one tier's two lanes (its stream and its retry lane, where work returned to the queue goes
+    back with its original deadline), is the retry lane's head served first? The earlier deadline;
+    a tie goes to the retry lane (its entry arrived first)."""
+    return retry_deadline_ms <= stream_deadline_ms

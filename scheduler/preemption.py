@@ -14,6 +14,7 @@ Starvation is bounded twice: a request is preempted at most
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -133,6 +134,26 @@ def choose_victims(
         if fits(kept):
             break
     return victims
+
+
+def victims(policy: PreemptionPolicy, computing: Sequence[tuple[int, int, int, int]], head: Waiting, now_ms: int,
+            tokens_per_s: Callable[[], float], head_claimed: bool = True) -> list[int]:
+    """What a worker preempts for `head`: indices into `computing`, in the order to abort them.
+
+    `computing`: (tier rank, deadline ms, prompt tokens, preemptions so far) of each prompt the
+    worker's engine computes and may abort, in the worker's order (a prefill worker's prompts, or the
+    prompts a decode worker computes itself; never a stream in progress). The whole prompt counts as
+    its remaining work (the worker does not see the engine's progress). `tokens_per_s`: asked for the
+    worker's prefill rate (`scheduler.throughput.rate_or_prior`) only when there is something to decide.
+    Both the live worker and the simulated ones call this; `choose_victims` decides.
+    """
+    if not policy.enabled or not computing:
+        return []
+    rank, cap = head.tier_rank, policy.max_preemptions
+    if not any(c[0] > rank and c[3] < cap for c in computing):
+        return []  # nothing it may abort (choose_victims would find no candidate): the common case
+    running = [Running(str(i), c[0], c[1], c[2], c[3]) for i, c in enumerate(computing)]
+    return [int(rid) for rid in choose_victims(policy, running, head, now_ms, tokens_per_s(), head_claimed)]
 
 
 @dataclass(frozen=True)

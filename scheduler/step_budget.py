@@ -103,3 +103,64 @@ def next_step(prompts: Sequence[tuple[int, int]], decoding: int, *, urgent_prior
     # decodes first so that their tokens are left in the budget (`decodes_first`).
     cap = min(background, prefill_cap) if prefill_cap > 0 else background
     return StepShape(min(step_tokens, background + decoding), cap, decodes_first=True)
+
+
+class StepShaper:
+    """One engine's step shape, step after step: `next_step` with the state it keeps between steps.
+
+    The state: when a strictest-tier prompt was last in the engine (`last_urgent_s`: background steps
+    only while `expecting_urgent`) and how many steps in a row held started looser-tier prompts back
+    (`held`: bounded by `max_held`). The vLLM scheduler hook (workers/engines/vllm_scheduler.py) and
+    the simulated engines (skyline/simulate/prefill_worker.py, decode_worker.py) each keep one per
+    engine and ask it before every step, the ones that compute only decodes included (their shape
+    is the full step and they end a run of held steps).
+    """
+
+    __slots__ = ("_memo", "background", "full", "held", "last_urgent_s", "max_held", "prefill_cap", "step_tokens",
+                 "urgent_priority")
+
+    def __init__(self, *, urgent_priority: int, step_tokens: int, prefill_cap: int, background: int = 0,
+                 max_held: int = 0):
+        self.urgent_priority, self.step_tokens, self.prefill_cap = urgent_priority, step_tokens, prefill_cap
+        self.background, self.max_held = background, max_held
+        self.full = StepShape(step_tokens, prefill_cap)
+        self.held = 0  # steps in a row that held started looser-tier prompts back
+        self.last_urgent_s: float | None = None  # when a strictest-tier prompt was last in the engine
+        self._memo: dict = {}
+
+    def shape(self, prompts: Sequence[tuple[int, int, bool]], decoding: int, now_s: float) -> StepShape:
+        """The next step's shape. `prompts`: (engine priority, prompt tokens left, started) of every request
+        with prompt tokens to compute, `started` when the engine has computed part of it (vLLM's running
+        list; a waiting prompt's tokens left are its whole prompt: the engine finds its prefix-cache hits
+        when it schedules it); `decoding`: running requests past their prompt; `now_s`: the engine's clock."""
+        urgent = self.urgent_priority
+        if any(p[0] <= urgent for p in prompts):
+            self.last_urgent_s = now_s
+        background = self.background if expecting_urgent(self.last_urgent_s, now_s) else 0
+        shape = next_step([(p[0], p[1]) for p in prompts], decoding, urgent_priority=urgent,
+                          step_tokens=self.step_tokens, prefill_cap=self.prefill_cap, background=background,
+                          held=self.held, max_held=self.max_held)
+        # The step holds back the started looser-tier prompts (a waiting one is simply not started).
+        held_back = shape.hold_background and any(p[2] and p[0] > urgent for p in prompts)
+        self.held = self.held + 1 if held_back else 0
+        return shape
+
+    def one_priority(self, priority: int, prompts: int, decoding: int, now_s: float) -> StepShape:
+        """`shape` for an engine whose `prompts` prompts all have one `priority` (a fleet serving one tier:
+        the simulator's hot path). Nothing is held back then and the prompts' sizes do not enter the
+        answer, so `shape`'s answers are memoised by what does."""
+        if not prompts:
+            priority = self.urgent_priority + 1  # no prompt: the answer depends on nothing of theirs
+        if priority <= self.urgent_priority:
+            self.last_urgent_s = now_s
+            background = False
+        else:
+            background = self.background > 0 and expecting_urgent(self.last_urgent_s, now_s)
+        key = (priority, min(prompts, 2), background, decoding if background else -1)
+        shape = self._memo.get(key)
+        if shape is None:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            shape = self._memo[key] = self.shape([(priority, 1, False)] * prompts, decoding, now_s)
+        self.held = 0
+        return shape

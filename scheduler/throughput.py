@@ -42,3 +42,9 @@ class ThroughputMeter:
                 cur_e = max(cur_e, e)
         busy_ms += cur_e - cur_s
         return sum([x[2] for x in recent]) * 1000.0 / busy_ms
+
+
+def rate_or_prior(measured: float | None, prior: float) -> float:
+    """The prefill rate a worker plans with (preemption): what its meter measured, else the prior
+    (`worker.prior_prefill_tokens_per_s`) until it has measured any."""
+    return measured or prior

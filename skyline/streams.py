@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 
 from skyline import messages
 from skyline.keys import STAGES, Keys
-from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.edf import pick_tier, retry_first
 from skyline.scheduler.tiers import Tier
 
 
@@ -178,25 +178,34 @@ class TierQueues:
         every tier is empty (0 = do not wait)."""
         last = await self._last_delivered()
         resp = await self.r.xread(last, count=1, block=block_ms or None)
+        return self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
+
+    def heads_of(self, entries) -> dict[str, Head]:
+        """tier -> its next entry, from the oldest undelivered entry of each lane: (stream key, fields)."""
         heads: dict[str, Head] = {}
-        for key, entries in resp or []:
-            for _entry_id, fields in entries:
-                tier = self.tier_of[_s(key)]
-                head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), _s(key))
-                seen = heads.get(tier)
-                if seen is None or self._due_first(head, seen):
-                    heads[tier] = head
+        for key, fields in entries:
+            tier = self.tier_of[key]
+            head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key)
+            seen = heads.get(tier)
+            if seen is None or self._due_first(head, seen):
+                heads[tier] = head
         return heads
 
     def _due_first(self, a: Head, b: Head) -> bool:
-        """Of one tier's two lanes, the earlier deadline; a tie goes to the retry lane (it arrived first)."""
-        return (a.deadline_ms, a.stream not in self.retry_lanes) < (b.deadline_ms, b.stream not in self.retry_lanes)
+        """Is head `a` served before `b`, the other lane of its tier (scheduler.edf.retry_first)?"""
+        if a.stream in self.retry_lanes:
+            return retry_first(a.deadline_ms, b.deadline_ms)
+        return not retry_first(b.deadline_ms, a.deadline_ms)
+
+    def pick(self, heads: dict[str, Head], tiers: tuple[str, ...] | None = None) -> str | None:
+        """The tier to claim from: EDF over the heads (`pick_tier`), among `tiers` only if given."""
+        return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None) -> Claimed | None:
         """Claim the next entry in EDF order (among `tiers` only, if given), or None if
         nothing arrived in `block_ms` (or only entries of other tiers are waiting)."""
         heads = await self.peek_heads(block_ms)
-        tier = pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
+        tier = self.pick(heads, tiers)
         if tier is None:
             return None
         key = heads[tier].stream

@@ -75,7 +75,7 @@ def test_phases_of_the_measured_run():
     model = ProfileModel.load(PROFILE, slowdown=1.0)
     p = calibrate.phases(json.loads(MEASURED.read_text()), "skyline-disagg", model)
     assert p["requests"] == 10 and p["handoff_ms"]["n"] == 10
-    assert p["handoff_ms"]["median"] == pytest.approx(391.0)  # the hand-off the README quotes
+    assert p["handoff_ms"]["median"] == pytest.approx(391.0)  # the hand-off docs/simulator.md quotes
     assert p["prefill_ratio"]["n"] == 8 and p["prefill_ratio"]["median"] > 1.5  # the fleet ran slower than the profile
     only = calibrate.phases(json.loads(MEASURED.read_text()), "skyline-disagg", model, rate=0.15)
     assert only["requests"] == 4

@@ -59,7 +59,7 @@ def test_background_steps_and_the_bound_on_holding():
     s.schedule()
     assert s.seen[1:] == (256, 224)  # no strictest-tier prompt seen yet: vLLM's full step
     s.running = [rag, decoding]
-    s._last_urgent = time.monotonic() - 5  # one was here 5 s ago
+    s._shaper.last_urgent_s = time.monotonic() - 5  # one was here 5 s ago
     s.schedule()
     # Only the RAG prompt: 128 of it + one decode token, the decode first in vLLM's order.
     assert s.seen[1:] == (129, 128) and [r.name for r in s.seen[0]] == ["decoding", "rag"]
@@ -82,7 +82,7 @@ def test_a_request_waiting_for_its_kv_from_a_prefill_engine_holds_nothing_back()
     from vllm.v1.request import RequestStatus
 
     s = _Shaped()
-    s._last_urgent = time.monotonic() - 5
+    s._shaper.last_urgent_s = time.monotonic() - 5
     rag = _req("rag", 1, 1500, 384)
     pulling = _req("pulling", 0, 300, 0, status=RequestStatus.WAITING_FOR_REMOTE_KVS)
     s.running, s.waiting = [rag], [pulling]

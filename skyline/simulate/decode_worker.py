@@ -1,11 +1,11 @@
 """A simulated decode worker: continuous batching advanced in closed form.
 
-Claiming is the live rule (`workers/runtime.py`): claim the EDF head of the
-decode stage while the worker holds fewer than `max_running` requests and its
-KV usage is under `kv_watermark`. A claimed request with a KV handle pulls
+Claiming is the live rule (`scheduler.claiming.ClaimRoom.decode`, as `workers/runtime.py`): claim the
+EDF head of the decode stage while the worker holds fewer than `max_running` requests, its KV usage is
+under `kv_watermark` and its streams keep their pace. A claimed request with a KV handle pulls
 its KV (the model's transfer time) and joins the batch at the next step
-boundary; one without (colocated route, or a handle older than 80% of the KV
-lease) is prefilled by this engine first.
+boundary; one without (colocated route, or a handle too old: `scheduler.disagg.handle_expired`)
+is prefilled by this engine first.
 
 Decode-only batches are not simulated step by step. Between two membership
 changes the batch of B sequences holding C KV tokens runs steps of
@@ -32,10 +32,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 
-from skyline.scheduler.decode_room import tpot_room
-from skyline.scheduler.preemption import Shield
+from skyline.scheduler.claiming import ClaimShield
+from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
+from skyline.scheduler.disagg import handle_expired
+from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 from skyline.simulate.prefill_worker import plan_chunks, shape_step
@@ -77,8 +78,6 @@ class DecodeWorker:
         self.reserved = 0  # KV tokens of claimed requests not yet in the batch
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
         self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
-        self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
-        self.last_urgent: float | None = None  # when a strictest-tier prompt was last in the engine
         self.joining: list = []  # KV arrived while stepping: join at the next step
         self.stepping = False
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
@@ -89,63 +88,67 @@ class DecodeWorker:
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
         self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
-        self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
+        self.room = sim.claim_room
         self.preemption = sim.decode_preemption  # the policy with this engine's step shape
-        self.shield = None  # after a preemption: claim only the protected tiers for a while
+        self.claims = ClaimShield()  # after a preemption: claim only the protected tiers for a while
+        self.shaper = StepShaper(urgent_priority=sim.urgent_priority, step_tokens=self.perf.max_step_tokens,
+                                 prefill_cap=sim.decode_cap, background=sim.decode_background,
+                                 max_held=sim.max_held_steps)
         # The claim rule's pace check (scheduler/decode_room.py): TPOT targets of the requests held
-        # (target -> count), and the streams' time per token over the window. Live, a meter takes
-        # every stream's gaps between tokens; here the steps add to two running sums (stream-seconds,
-        # tokens), snapshotted when the rule is read, and the window's pace is the difference.
-        self.headroom, self.window_s = sim.worker_cfg.tpot_headroom, sim.worker_cfg.tpot_window_s
+        # (target -> count), and the streams' time per token in the live worker's meter
+        # (`TokenPaceMeter`). Live, the meter takes every stream's gap between two chunks; here the
+        # steps add to two running sums (stream-seconds, tokens), and what they added since the last
+        # read goes into the meter as one sample when the rule is read.
+        self.headroom = sim.worker_cfg.tpot_headroom
+        self.pace = TokenPaceMeter(sim.worker_cfg.tpot_window_s)
         self.tpot_held: dict[int, int] = {}
         self.stream_s = 0.0
         self.tokens_out = 0
-        self.snapshots: deque = deque()  # (at, stream_s, tokens_out)
+        self._paced = (0.0, 0)  # the sums when the meter last took them
         self.pace_ok, self.pace_at = True, -1.0  # the verdict for a worker holding 2 or more, and when read
-        self.kv_room = sim.worker_cfg.kv_watermark * self.perf.kv_capacity_tokens  # claims stop at this many KV tokens
+        self.kv_capacity = self.perf.kv_capacity_tokens
+        self._room = self.room.decode  # (bound once: asked after every batch event)
+        self._coeffs = self.perf.decode_coeffs
         self.loop = sim.loop
         self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
 
     # -- room and claims ---------------------------------------------------------------
 
     def has_room(self) -> bool:
-        held = self.B + self.arriving + len(self.local) + len(self.joining)
-        if held >= self.max_running:
-            return False
-        if self.local_tokens >= self.token_budget:
-            return False
-        if self.C + self.reserved >= self.kv_room:  # KV usage at the watermark
-            return False
-        return self.pace_ok or held < 2  # (tpot_room's own guard, kept here: the verdict is cached)
+        # KV usage counts the KV of claimed requests still on their way: the engine holds their blocks.
+        return self._room(self.B + self.arriving + len(self.local) + len(self.joining), self.local_tokens,
+                          (self.C + self.reserved) / self.kv_capacity, self.pace_ok)
 
     def _read_pace(self) -> None:
         """The pace rule's verdict, re-read at the worker's step and batch events at most every
         PACE_READ_S simulated seconds (callers check; has_room uses it meanwhile): a claim needs no
         more precision on a 10 s window, and a big fleet asks millions of times."""
-        now = self.pace_at = self.sim.loop.now
-        snaps = self.snapshots
-        snaps.append((now, self.stream_s, self.tokens_out))
-        while len(snaps) > 1 and snaps[1][0] <= now - self.window_s:
-            snaps.popleft()  # keep the newest snapshot at or before the window's start
-        _at, s0, n0 = snaps[0]
-        tokens = self.tokens_out - n0
-        per_token = (self.stream_s - s0) / tokens if tokens else None
-        self.pace_ok = not self.tpot_held or tpot_room(per_token, min(self.tpot_held), self.headroom, 2)
+        now = self.pace_at = self.loop.now
+        s0, n0 = self._paced
+        s1, n1 = self._paced = (self.stream_s, self.tokens_out)
+        self.pace.record(now, s1 - s0, n1 - n0)
+        tightest = min(self.tpot_held) if self.tpot_held else None
+        self.pace_ok = pace_allows(self.pace.seconds_per_token(now), tightest, self.headroom)
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
         sim = self.sim
         q, now = sim.decode_q, sim.loop.now
-        while q.size and limit > 0 and self.has_room():
+        room = None  # has_room() as last asked, while nothing changed since (None: ask again)
+        while q.size and limit > 0:
+            room = self.has_room()
+            if not room:
+                break
             item = claim_for(self, q, self.local)
             if item is None:  # shielded: only looser tiers wait
                 return  # out of the ready queue: nothing there is its to take; its own steps claim again
+            room = None
             limit -= 1
             req, prefill_end = item
             self.reserved += req.prompt_tokens
             if self.headroom > 0:
                 self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
-            if prefill_end is not None and now - prefill_end <= 0.8 * sim.kv_lease_s:
+            if prefill_end is not None and not handle_expired((now - prefill_end) * 1000, sim.kv_lease_s):
                 self.arriving += 1
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
             else:
@@ -158,7 +161,8 @@ class DecodeWorker:
                     self.stepping = True
                     self.due = None  # the wake-up armed for the closed-form batch finds nothing due
                     self._start_mixed()
-        if not self.in_ready and self.has_room():  # sim.note_room, inlined: called after every batch event
+        # Back in the ready queue while it has room (called after every batch event)
+        if not self.in_ready and (self.has_room() if room is None else room):
             self.in_ready = True
             sim.decode_ready.append(self)
 
@@ -166,8 +170,6 @@ class DecodeWorker:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many.
         `claimed`: this worker just took `head` (False: still queued, the worker full)."""
         victims = victims_for(self, self.local, head, claimed)
-        if victims:
-            self.shield = Shield(head.rank, int(head.deadline * 1000)).merged(self.shield)
         for h in victims:
             h.aborted = True  # the step in progress computes its chunk for nothing
             self.local.remove(h)
@@ -182,56 +184,47 @@ class DecodeWorker:
         if self.stepping:
             self.joining.append(req)
             return
-        self._align(self.sim.loop.now)
+        self._align(self.loop.now)
         self._join(req)
         self._reschedule()
-        self.claim_while_room()  # members that finished at the boundary made room
+        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+            self.claim_while_room()  # members that finished at the boundary made room
 
     # -- closed-form batch ---------------------------------------------------------------
 
-    def _T(self, n: int) -> float:
-        return self.t + n * self.a + self.b * (n * self.C + self.B * n * (n - 1) / 2)
-
-    def _steps_by(self, now: float) -> int:
-        """Whole steps of the current segment completed by `now` (T inlined: the hottest code of a big run)."""
+    def _align(self, now: float) -> None:
+        """Move the boundary to where a change made at `now` takes effect: the end of the step in progress."""
         t, B = self.t, self.B
-        dt = now - t
-        if dt <= 0 or B == 0:
-            return 0
+        if B == 0:
+            self.t = max(t, now)  # an idle engine starts at once
+            return
+        if now <= t:
+            return  # already at a (future) boundary
+        # The whole steps done by `now` (T(n) <= now), then the step in progress (once per KV arrival)
         a, b, C = self.a, self.b, self.C
         alpha, beta = b * B / 2, a + b * C - b * B / 2
         if alpha <= 0:
-            n = int(dt / beta) if beta > 0 else 0
+            n = int((now - t) / beta) if beta > 0 else 0
         else:
-            n = int((-beta + math.sqrt(beta * beta + 4 * alpha * dt)) / (2 * alpha))
+            n = int((-beta + math.sqrt(beta * beta + 4 * alpha * (now - t))) / (2 * alpha))
         while t + (n + 1) * a + b * ((n + 1) * C + B * (n + 1) * n / 2) <= now:  # T(n + 1)
             n += 1
         while n > 0 and t + n * a + b * (n * C + B * n * (n - 1) / 2) > now:  # T(n)
             n -= 1
-        return n
-
-    def _align(self, now: float) -> None:
-        """Move the boundary to where a change made at `now` takes effect: the end of the step in progress."""
-        if self.B == 0:
-            self.t = max(self.t, now)  # an idle engine starts at once
-            return
-        if now <= self.t:
-            return  # already at a (future) boundary
-        n = self._steps_by(now)
-        self._advance(n if self._T(n) == now else n + 1)
+        self._advance(n if t + n * a + b * (n * C + B * n * (n - 1) / 2) == now else n + 1)
 
     def _advance(self, n: int) -> None:
         if n <= 0:
             return
-        t, B = self.t, self.B
+        t, B, a, b, C = self.t, self.B, self.a, self.b, self.C
         if self.pending_first:
-            first = self._T(1)
+            first = t + a + b * C  # T(1)
             for m in self.pending_first:
                 m.req.first_t = first
             self.pending_first.clear()
         if self.segments is not None:
-            self.segments.append((self.k, t, self.C, B, self.a, self.b))
-        t_new = t + n * self.a + self.b * (n * self.C + B * n * (n - 1) / 2)  # T(n)
+            self.segments.append((self.k, t, C, B, a, b))
+        t_new = t + n * a + b * (n * C + B * n * (n - 1) / 2)  # T(n)
         self.stream_s += (t_new - t) * B  # n steps of B streams: B tokens per step
         self.tokens_out += n * B
         k = self.k = self.k + n
@@ -257,7 +250,12 @@ class DecodeWorker:
         req.done_t = t_done
         if self.segments is not None:
             req.itl_s = self._itls(m.first_step, m.end_step)
-        self._release_tpot(req)
+        if self.headroom > 0:  # _release_tpot, inlined
+            n = self.tpot_held[req.tpot_ms] - 1
+            if n:
+                self.tpot_held[req.tpot_ms] = n
+            else:
+                del self.tpot_held[req.tpot_ms]
         self.sim.on_done(req)
 
     def _join(self, req, produced: int = 0) -> None:
@@ -304,7 +302,7 @@ class DecodeWorker:
         if B == 0:
             self.due = None
             return
-        a, b = self.perf.decode_coeffs(B, C)
+        a, b = self._coeffs(B, C)
         if self.neighbour is not None and self.neighbour.busy():
             a *= self.sim.neighbour_slowdown
             b *= self.sim.neighbour_slowdown
@@ -329,7 +327,8 @@ class DecodeWorker:
             return
         self._advance(self.ends[0][0] - self.k)
         self._reschedule()
-        self.claim_while_room()
+        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+            self.claim_while_room()
 
     # -- stepped mode: steps that prefill -------------------------------------------------------
 
@@ -337,22 +336,12 @@ class DecodeWorker:
         for req in self.joining:
             self._join(req)
         self.joining.clear()
-        step, cap = self.perf.max_step_tokens, self.sim.decode_cap
         started = [h for h in self.local if h.done > h.req.cached_tokens]
         waiting = sorted((h for h in self.local if h.done == h.req.cached_tokens), key=lambda h: (h.req.priority, h.order))
-        order = started + waiting
-        if len(self.sim.ranks_seen) > 1:
-            if self.sim.decode_background or self.sim.max_held_steps:
-                order, step, cap, self.held_steps = shape_step(self, order, self.B, step, cap,
-                                                               self.sim.decode_background, self.held_steps)
-        elif order and order[0].req.priority <= self.sim.urgent_priority:
-            # One tier so far, the strictest: next_step's answer without the call (a hot path).
-            self.last_urgent = self.sim.loop.now
-            if len(order) == 1 and self.sim.max_held_steps:
-                cap = 0  # a lone strictest-tier prompt steps uncapped
-        budget = step - self.B
+        order, shape = shape_step(self.shaper, started + waiting, self.B, self.sim)
+        budget = shape.tokens - self.B
         held = len(order) + self.B
-        chunks, work = plan_chunks(order, budget, cap if held > 1 else 0)
+        chunks, work = plan_chunks(order, budget, shape.prefill_cap if held > 1 else 0)
         if self.B:
             dur = self.perf.mixed_step_s(chunks, self.B, self.C)
         else:
@@ -399,6 +388,8 @@ class DecodeWorker:
             self._start_mixed()
             return
         self.stepping = False
+        if self.B and self.shaper.held:
+            self.shaper.shape((), self.B, now)  # the decode-only steps that follow hold nothing back
         self._reschedule()
 
     # -- per-token times (small runs) ----------------------------------------------------------

@@ -5,9 +5,10 @@ The gateway does what `gateway/prepare.py`, `gateway/app.py` and
 `resolve_slo` (tier and targets; the client's per-class targets arrive as
 x-slo-ttft-ms / x-slo-tpot-ms headers, as `skyline bench` sends them),
 `route` (with the prefill backlog the gateway's FleetView cached at its last
-refresh), and `admit` (backlog of the request's stage and tier, prefill
-throughput of the live pool from the workers' heartbeats via
-`gateway.admission.pool_rate`). A refused request is a 429, as in the bench.
+refresh), and `scheduler.admission.decide` (`admit` on the backlog of the request's
+stage and tier, the prefill throughput of the live pool from the workers' heartbeats via
+`pool_rate`, the calibration's scale), `demoted` and `learn_ttft`. A refused request is
+a 429, as in the bench.
 
 Workers waiting for work queue in arrival order, as consumers blocked in
 XREADGROUP do: an entry goes to the longest-waiting worker with room; a
@@ -27,8 +28,8 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from skyline.config import SkylineConfig, prefill_cap
-from skyline.gateway.admission import policy_of, pool_rate, stage_of
-from skyline.scheduler.admission import FleetLoad, TtftCalibration, admit
+from skyline.scheduler.admission import TtftCalibration, decide, demoted, learn_ttft, policy_of, pool_rate, stage_of
+from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
 from skyline.scheduler.step_budget import background_tokens
@@ -41,7 +42,7 @@ from skyline.simulate.queues import StageQueues
 from skyline.simulate.request import SimRequest
 
 FLEET_OVERHEAD_S = 0.004  # `skyline bench overhead`: added TTFT p50 of gateway -> Redis -> workers -> pub/sub
-PREEMPT_CHECK_S = 0.05  # a full worker holding prompts re-checks the tier heads at 20 Hz (workers/runtime.py)
+PREEMPT_CHECK_S = RECHECK_S  # a full worker holding prompts re-checks the tier heads (as workers/runtime.py)
 FLEET_REFRESH_S = 1.0  # workers heartbeat their measured rate every second; the gateway reads them
 RATES_PER_REFRESH = 8  # meters read per refresh: bounds the cost of a 500-worker pool (documented staleness)
 
@@ -73,6 +74,7 @@ class Simulation:
             raise ValueError(f"a {fleet.mode} fleet needs workers: got {fleet.label}")
         self.cfg, self.fleet = cfg, fleet
         self.worker_cfg = cfg.worker
+        self.claim_room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
         self.perf_prefill, self.perf_decode = perf_prefill, perf_decode
         self.record_itl, self.allow_demotion, self.overhead_s = record_itl, allow_demotion, overhead_s
         self.kv_lease_s = cfg.engine.kv_lease_s
@@ -145,58 +147,58 @@ class Simulation:
         slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
-        req.route = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
-        stage = stage_of(req.route)
-        q = self.prefill_q if stage == "prefill" else self.decode_q
+        req.route = path = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
+        stage = stage_of(path)
+        if stage == "prefill":
+            q, ready = self.prefill_q, self.prefill_ready
+        else:
+            q, ready = self.decode_q, self.decode_ready
         if self.admission is not None:
-            scale = self.calibration.scale((stage, slo.tier)) if self.calibration is not None else 1.0
-            load = FleetLoad(q.backlog, self.seen_rate[stage], scale)
-            d = admit(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, load, self.allow_demotion)
-            req.model_ttft_ms = d.predicted_ttft_ms / scale
+            d, req.model_ttft_ms = decide(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, stage,
+                                          q.backlog, self.seen_rate[stage], self.calibration, self.allow_demotion)
             if d.action in ("reject", "overloaded"):
                 self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
                 req.outcome = "rejected" if d.action == "reject" else "error"
                 req.decision = d.reason
                 return
             if d.action == "demote":
-                tier = self.cfg.tier(d.tier)
-                req.tier, req.priority = tier.name, tier.priority
-                req.deadline = now + tier.ttft_ms / 1000
+                slo = demoted(slo, self.cfg.tier(d.tier))
+                req.tier, req.priority = slo.tier, slo.priority
+                req.deadline = now + slo.ttft_ms / 1000
                 req.decision = "demote"
-                req.model_ttft_ms = 0.0  # predicted for another tier: not learnt from (gateway/admission.py)
                 self.counters["demoted"] += 1
         self.counters["admitted"] += 1
-        req.rank = self.tier_rank[req.tier]
-        self.ranks_seen.add(req.rank)
-        q.reserve(req.tier, req.prompt_tokens)
-        q.push(req, (req, None))
-        self._dispatch(q, self.prefill_ready if stage == "prefill" else self.decode_ready)
+        tier = req.tier
+        req.rank = rank = self.tier_rank[tier]
+        self.ranks_seen.add(rank)
+        q.backlog[tier] += req.prompt_tokens  # q.reserve and q.push, inlined (once per request)
+        q.queues[tier].append((req, None))
+        q.size += 1
+        # New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order); each
+        # claims if it has room and re-queues itself at the tail while it has room (a shielded worker that
+        # finds nothing it may take leaves the queue).
+        while q.size and ready:
+            w = ready.popleft()
+            w.in_ready = False
+            w.claim_while_room(1)
         if q.size and self.preemption.enabled:
             self._arm_preemption()
 
-    def _dispatch(self, q: StageQueues, ready: deque) -> None:
-        """New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order)."""
-        while q.size and ready:  # (a shielded worker that finds nothing it may take leaves the queue)
-            w = ready.popleft()
-            w.in_ready = False
-            if w.has_room():
-                w.claim_while_room(1)  # re-queues itself at the tail while it has room
-
-    def note_room(self, worker, ready: deque) -> None:
-        if not worker.in_ready and worker.has_room():
-            worker.in_ready = True
-            ready.append(worker)
-
     def to_decode(self, req: SimRequest, kv_from_prefill: bool) -> None:
         """A prefill worker hands the request (and its KV handle) to the decode stage."""
-        self.decode_q.push(req, (req, self.loop.now if kv_from_prefill else None))
-        self._dispatch(self.decode_q, self.decode_ready)
+        q, ready = self.decode_q, self.decode_ready
+        q.queues[req.tier].append((req, self.loop.now if kv_from_prefill else None))  # q.push, inlined
+        q.size += 1
+        while q.size and ready:  # to the workers blocked longest, as in `arrive`
+            w = ready.popleft()
+            w.in_ready = False
+            w.claim_while_room(1)
 
     def on_done(self, req: SimRequest) -> None:
         req.finish(self.overhead_s)
         self.completed += 1
-        if self.calibration is not None and req.model_ttft_ms:  # the gateway's `learn` hook
-            self.calibration.observe((stage_of(req.route), req.tier), req.model_ttft_ms, req.ttft_s * 1000)
+        if self.calibration is not None:  # the gateway's `learn` hook
+            learn_ttft(self.calibration, req.route, req.tier, req.model_ttft_ms, req.ttft_s * 1000)
 
     # -- periodic fleet activity ----------------------------------------------------------------------
 
@@ -219,7 +221,7 @@ class Simulation:
         view = self._view
         for w, info in zip(self.prefill_workers + self.decode_workers, view.workers):
             info.tokens_per_s = w.rate_cache[1]
-        self.seen_rate = {"prefill": pool_rate(view, "prefill"), "decode": pool_rate(view, "decode")}
+        self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
 

@@ -73,7 +73,7 @@ def add_simulate_parser(sub) -> None:
     wl.add_argument("--chat-output")
     wl.add_argument("--rag-output")
     wl.add_argument("--lengths", default="bench", choices=["bench", "sharegpt"],
-                    help="length distributions: bench's uniform ranges, or ShareGPT-like (see README)")
+                    help="length distributions: bench's uniform ranges, or ShareGPT-like (see docs/simulator.md)")
     wl.add_argument("--chat-tier", default="interactive", choices=["interactive", "standard", "batch"])
     wl.add_argument("--rag-tier", default="standard", choices=["interactive", "standard", "batch"])
     wl.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])

@@ -1,14 +1,14 @@
-"""A simulated prefill worker: the claim rule of `workers/runtime.py` around a stepped engine model.
+"""A simulated prefill worker: the live worker's claim rules around a stepped engine model.
 
-Claiming (as the live worker): while it holds fewer than `max_running`
+Claiming (`scheduler.claiming`, as the live worker): while it holds fewer than `max_running`
 prompts and fewer than `prefill_token_budget` prompt tokens, it claims the
 EDF head of the prefill stage. The engine (as vLLM with priority
 scheduling and chunked prefill) runs steps of at most `max_step_tokens`
 tokens: prompts it has started keep their share of the step first, then
 waiting prompts by priority, then claim order, each at most the engine's
 per-request cap (`long_prefill_token_threshold`) while it holds more than one, and with Skyline's
-step shape by tier (`scheduler.step_budget`: shorter steps while it holds only looser-tier prompts,
-those held back while strictest-tier ones compute). A finished prompt is timed
+step shape by tier (`scheduler.step_budget.StepShaper`, the live scheduler hook's: shorter steps while
+it holds only looser-tier prompts, those held back while strictest-tier ones compute). A finished prompt is timed
 into the worker's `ThroughputMeter` (the live meter class), acked (its
 tokens leave the backlog) and handed to the decode stage.
 
@@ -18,8 +18,8 @@ it claims, and for the EDF head while it is full.
 
 from __future__ import annotations
 
-from skyline.scheduler.preemption import Shield
-from skyline.scheduler.step_budget import expecting_urgent, next_step
+from skyline.scheduler.claiming import ClaimShield
+from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.simulate.preempt import claim_for, victims_for
 
@@ -42,25 +42,31 @@ class PrefillWorker:
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (refreshed at, tokens/s): the live worker reads its meter per heartbeat
         self._order = 0
-        self.held_steps = 0  # engine steps in a row that held looser-tier prompts back
-        self.last_urgent: float | None = None  # when a strictest-tier prompt was last in the engine
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
-        self.max_running, self.token_budget = sim.worker_cfg.max_running, sim.worker_cfg.prefill_token_budget
+        self.room = sim.claim_room
         self.preemption = sim.preemption  # the policy with this engine's step shape
-        self.shield = None  # after a preemption: claim only the protected tiers for a while
+        self.claims = ClaimShield()  # after a preemption: claim only the protected tiers for a while
+        self.shaper = StepShaper(urgent_priority=sim.urgent_priority, step_tokens=sim.perf_prefill.max_step_tokens,
+                                 prefill_cap=sim.prefill_cap, background=sim.prefill_background,
+                                 max_held=sim.max_held_steps)
 
     # -- claiming ------------------------------------------------------------------
 
     def has_room(self) -> bool:
-        return len(self.held) < self.max_running and self.tokens_held < self.token_budget
+        return self.room.prefill(len(self.held), self.tokens_held)
 
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
-        q = self.sim.prefill_q
+        sim = self.sim
+        q = sim.prefill_q
         shielded = False
-        while q.size and limit > 0 and self.has_room():
+        room = None  # has_room() as last asked, while nothing changed since (None: ask again)
+        while q.size and limit > 0:
+            room = self.has_room()
+            if not room:
+                break
             item = claim_for(self, q, self.held)
             if item is None:  # shielded: only looser tiers wait
                 shielded = True  # out of the ready queue: nothing there is its to take; its steps claim again
@@ -69,16 +75,19 @@ class PrefillWorker:
             req, _ = item
             self.preempt(req)  # live: every claimed prompt competes for the step budget
             self._order += 1
-            self.held.append(_Held(req, self._order, self.sim.loop.now))
+            now = sim.loop.now
+            self.held.append(_Held(req, self._order, now))
             self.tokens_held += req.prompt_tokens
             if not req.prefill_start:
-                req.prefill_start = self.sim.loop.now
+                req.prefill_start = now
+            room = None
         if not self.stepping and self.held:
             self._start_step()
             if self.neighbour is not None:
                 self.neighbour.neighbour_changed()  # from idle to busy
-        if not shielded:
-            self.sim.note_room(self, self.sim.prefill_ready)
+        if not shielded and not self.in_ready and (self.has_room() if room is None else room):  # into the ready queue
+            self.in_ready = True
+            sim.prefill_ready.append(self)
 
     def busy(self) -> bool:
         return self.stepping
@@ -86,27 +95,30 @@ class PrefillWorker:
     # -- engine steps ------------------------------------------------------------------
 
     def _start_step(self) -> None:
-        budget = self.sim.perf_prefill.max_step_tokens
         if len(self.held) == 1:
             order = self.held  # the common case in a fleet with spare prefill capacity
         else:
             order = [h for h in self.held if h.done > h.req.cached_tokens]  # started first, as vLLM runs them
             order += sorted((h for h in self.held if h.done == h.req.cached_tokens), key=lambda h: (h.req.priority, h.order))
-        cap = self.sim.prefill_cap
-        if len(self.sim.ranks_seen) > 1:
-            if self.sim.prefill_background or self.sim.max_held_steps:
-                order, budget, cap, self.held_steps = shape_step(self, order, 0, budget, cap,
-                                                                 self.sim.prefill_background, self.held_steps)
-        elif order[0].req.priority <= self.sim.urgent_priority:
-            # One tier so far, the strictest: nothing to shape (the hot path of big fleets); remember it.
-            self.last_urgent = self.sim.loop.now
-        chunks, work = plan_chunks(order, budget, cap if len(order) > 1 else 0)
-        dur = self.sim.perf_prefill.prefill_step_s(chunks)
+        sim = self.sim
+        if len(sim.ranks_seen) < 2:  # shape_step's hot path, inlined
+            shape = self.shaper.one_priority(order[0].req.priority, len(order), 0, sim.loop.now)
+        else:
+            order, shape = shape_step(self.shaper, order, 0, sim)
+        if len(order) == 1:  # plan_chunks of one prompt (no cap: it is alone), inlined
+            h = order[0]
+            n, budget = h.req.prompt_tokens - h.done, shape.tokens
+            if budget < n:
+                n = budget
+            chunks, work = ([(h.done, n)], [(h, n)]) if budget > 0 else ([], [])
+        else:
+            chunks, work = plan_chunks(order, shape.tokens, shape.prefill_cap)
+        dur = sim.perf_prefill.prefill_step_s(chunks)
         if self.neighbour is not None and self.neighbour.busy():
-            dur *= self.sim.neighbour_slowdown
+            dur *= sim.neighbour_slowdown
         self.stepping = True
         self.busy_s += dur
-        self.sim.loop.after(dur, self._step_done, work)
+        sim.loop.after(dur, self._step_done, work)
 
     def _step_done(self, work) -> None:
         self.stepping = False
@@ -117,7 +129,8 @@ class PrefillWorker:
             h.done += n
             if h.done >= h.req.prompt_tokens:
                 self._finish(h, now)
-        self.claim_while_room()
+        if self.held or self.sim.prefill_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+            self.claim_while_room()
         if not self.stepping and self.held:
             self._start_step()
         if not self.stepping and self.neighbour is not None:
@@ -129,8 +142,9 @@ class PrefillWorker:
         self.tokens_held -= req.prompt_tokens
         req.prefill_end = now
         self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
-        self.sim.prefill_q.release(req.tier, req.prompt_tokens)  # ack: off the backlog
-        self.sim.to_decode(req, kv_from_prefill=True)
+        sim = self.sim
+        sim.prefill_q.backlog[req.tier] -= req.prompt_tokens  # ack: off the backlog (q.release, inlined)
+        sim.to_decode(req, kv_from_prefill=True)
 
     # -- fleet-level preemption ---------------------------------------------------------------
 
@@ -138,8 +152,6 @@ class PrefillWorker:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many.
         `claimed`: this worker just took `head` (False: still queued, the worker full)."""
         victims = victims_for(self, self.held, head, claimed)
-        if victims:
-            self.shield = Shield(head.rank, int(head.deadline * 1000)).merged(self.shield)
         for h in victims:
             h.aborted = True
             self.held.remove(h)
@@ -150,26 +162,20 @@ class PrefillWorker:
         return len(victims)
 
 
-def shape_step(worker, order: list, decoding: int, step_tokens: int, cap: int, background: int, held: int):
-    """The engine's step shape by tier (`scheduler.step_budget.next_step`, as the live vLLM scheduler hook):
-    the prompts that take part in the step (looser-tier ones sit out while it holds them back), its
-    budget and per-request cap, and the count of steps in a row that held prompts back."""
-    sim = worker.sim
-    urgent, now = sim.urgent_priority, sim.loop.now
-    if any(h.req.priority <= urgent for h in order):
-        worker.last_urgent = now
-    if not expecting_urgent(worker.last_urgent, now):
-        background = 0
-    shape = next_step([(h.req.priority, h.req.prompt_tokens - h.done) for h in order], decoding,
-                      urgent_priority=urgent, step_tokens=step_tokens, prefill_cap=cap, background=background,
-                      held=held, max_held=sim.max_held_steps)
+def shape_step(shaper: StepShaper, order: list, decoding: int, sim):
+    """The engine's step shape by tier (the live scheduler hook's `StepShaper`) for the prompts in `order`
+    (handles with `.req` and `.done`, in the engine's order) and `decoding` running decodes: the prompts
+    that take part in the step (started looser-tier ones sit out while it holds them back) and its shape."""
+    if len(sim.ranks_seen) < 2:
+        # One tier so far in the whole workload: every prompt has its priority (the hot path of big fleets).
+        return order, shaper.one_priority(order[0].req.priority if order else 0, len(order), decoding, sim.loop.now)
+    prompts = [(h.req.priority, h.req.prompt_tokens - h.done, True) if h.done > h.req.cached_tokens
+               else (h.req.priority, h.req.prompt_tokens, False) for h in order]
+    shape = shaper.shape(prompts, decoding, sim.loop.now)
     if shape.hold_background:
-        started_looser = any(h.done > h.req.cached_tokens and h.req.priority > urgent for h in order)
+        urgent = shaper.urgent_priority
         order = [h for h in order if h.req.priority <= urgent]
-        held = held + 1 if started_looser else 0
-    else:
-        held = 0
-    return order, shape.tokens, shape.prefill_cap, held
+    return order, shape
 
 
 def plan_chunks(handles, budget: int, cap: int = 0) -> tuple[list[tuple[int, int]], list]:

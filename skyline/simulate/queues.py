@@ -5,8 +5,8 @@ compares the heads of the tier queues and claims from the one that
 `scheduler.edf.pick_tier` names. New entries go to the tail; a preempted
 request goes to its tier's retry lane with its original deadline (as the
 live worker re-XADDs it to `skyline:{stage}:<tier>:retry`), and a tier's head
-is the earlier-due of its queue's and its retry lane's (a tie goes to the
-retry lane). Work that still needs its prompt computed adds its prompt
+is the earlier-due of its queue's and its retry lane's (a tie, to the ms, goes
+to the retry lane: `scheduler.edf.retry_first`). Work that still needs its prompt computed adds its prompt
 tokens to the stage's backlog when enqueued (or when admission reserved
 them) and removes them when acked.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.edf import pick_tier, retry_first
 from skyline.simulate.request import SimRequest
 
 
@@ -42,11 +42,12 @@ class StageQueues:
         self.retry_size += 1
 
     def _lane(self, tier: str) -> deque | None:
-        """The queue holding `tier`'s next entry (None when the tier has none)."""
+        """The queue holding `tier`'s next entry (None when the tier has none): `scheduler.edf.retry_first`
+        on the two heads' deadlines in ms, as the live worker sees them in the streams."""
         main, retry = self.queues[tier], self.retry[tier]
         if not retry:
             return main or None
-        if main and main[0][0].deadline < retry[0][0].deadline:
+        if main and not retry_first(int(retry[0][0].deadline * 1000), int(main[0][0].deadline * 1000)):
             return main
         return retry
 

@@ -145,6 +145,9 @@ class RooflineModel(PerfModel):
         return tokens, attended, kv
 
     def prefill_step_s(self, chunks: Sequence[Chunk]) -> float:
+        if len(chunks) == 1:  # _chunk_work of one prompt, inlined (once per step of a big run)
+            p, n = chunks[0]
+            return self._step(n, n * p + n * (n + 1) / 2, p + n, 1)
         tokens, attended, kv = self._chunk_work(chunks)
         return self._step(tokens, attended, kv, len(chunks))
 

@@ -22,7 +22,7 @@ import copy
 import time
 from typing import Any
 
-from skyline.scheduler.step_budget import expecting_urgent, next_step
+from skyline.scheduler.step_budget import StepShaper
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -37,33 +37,26 @@ class _StepShaping:
     def _init_step_shaping(self) -> None:
         settings = (self.vllm_config.additional_config or {}).get(CONFIG_KEY, {})
         self._urgent_priority = int(settings.get("urgent_priority", 0))
-        self._background = int(settings.get("background_tokens", 0))
-        self._max_held = int(settings.get("max_held_steps", 0))
-        self._held = 0  # steps in a row that held looser-tier prompts back
-        self._last_urgent: float | None = None  # monotonic time a strictest-tier prompt was last here
-        self._full_tokens = self.max_num_scheduled_tokens
         # Our own copy: the cap is rewritten every step and the config object is shared.
         self.scheduler_config = copy.copy(self.scheduler_config)
-        self._full_cap = self.scheduler_config.long_prefill_token_threshold
+        # The rule and its state between steps (when strictest-tier work was last here, steps held in a row).
+        self._shaper = StepShaper(urgent_priority=self._urgent_priority, step_tokens=self.max_num_scheduled_tokens,
+                                  prefill_cap=self.scheduler_config.long_prefill_token_threshold,
+                                  background=int(settings.get("background_tokens", 0)),
+                                  max_held=int(settings.get("max_held_steps", 0)))
 
     def schedule(self, *args: Any, **kwargs: Any):
         prompts, decoding = [], 0
-        for r in self.running:
+        for r in self.running:  # started: vLLM has computed part of the prompt
             left = r.num_prompt_tokens - r.num_computed_tokens
             if left > 0:
-                prompts.append((r.priority, left))
+                prompts.append((r.priority, left, True))
             else:
                 decoding += 1
         # A request waiting for its KV from a prefill engine computes (almost) nothing here.
-        prompts.extend((r.priority, r.num_prompt_tokens) for r in self.waiting
+        prompts.extend((r.priority, r.num_prompt_tokens, False) for r in self.waiting
                        if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
-        now = time.monotonic()
-        if any(priority <= self._urgent_priority for priority, _left in prompts):
-            self._last_urgent = now
-        background = self._background if expecting_urgent(self._last_urgent, now) else 0
-        shape = next_step(prompts, decoding, urgent_priority=self._urgent_priority, step_tokens=self._full_tokens,
-                          prefill_cap=self._full_cap, background=background, held=self._held,
-                          max_held=self._max_held)
+        shape = self._shaper.shape(prompts, decoding, time.monotonic())
         self.max_num_scheduled_tokens = shape.tokens
         self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
         if shape.decodes_first:
@@ -78,7 +71,6 @@ class _StepShaping:
             if held:
                 ids = {id(r) for r in held}
                 self.running = [r for r in self.running if id(r) not in ids]
-        self._held = self._held + 1 if held else 0
         try:
             return super().schedule(*args, **kwargs)
         finally:

@@ -1,0 +1,94 @@
+"""What a worker may claim, and when it looks again: room, the shield after a preemption, the re-check.
+
+A worker claims only what its engine can start soon; the rest stays in the
+tier streams, in deadline order, where any worker that frees up can take it.
+The live worker (workers/runtime.py) and the simulated ones
+(skyline/simulate/prefill_worker.py, decode_worker.py) ask these rules with
+what they hold; neither has a copy of its own.
+
+Room:
+
+  - prefill worker: fewer than `max_running` prompts and fewer than
+    `prefill_token_budget` prompt tokens held;
+  - decode worker: fewer than `max_running` requests held, fewer than
+    `prefill_token_budget` tokens of prompts it computes itself (they hold the
+    step budget as a prefill worker's prompts do), KV usage under
+    `kv_watermark`, and the pace rule (scheduler/decode_room.py): the recent
+    time per token of its streams under `tpot_headroom` x the tightest TPOT
+    target among them, unless it holds fewer than two requests.
+
+Shield (`scheduler.preemption.Shield`): a worker that just preempted for a
+request claims only that request's tier and stricter ones until the shield
+expires, or until a claim limited to them finds nothing while none of them
+computes here (then it claims any tier again at once). While they still compute
+and only looser tiers wait, it looks again every `RECHECK_S`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from skyline.scheduler.preemption import Shield
+
+# A full worker holding prompts re-checks the heads of its tier streams for a request that would be
+# late (fleet-level preemption), and a shielded worker whose tiers have nothing waiting looks again,
+# this often: 20 Hz.
+RECHECK_S = 0.05
+
+
+@dataclass(frozen=True)
+class ClaimRoom:
+    """A worker's claim limits (the `[worker]` config: max_running, prefill_token_budget, kv_watermark)."""
+
+    max_running: int
+    prefill_token_budget: int
+    kv_watermark: float = 1.0
+
+    def prefill(self, held: int, prompt_tokens: int) -> bool:
+        """May a prefill worker holding `held` prompts of `prompt_tokens` tokens in all claim one more?"""
+        return held < self.max_running and prompt_tokens < self.prefill_token_budget
+
+    def decode(self, held: int, local_prompt_tokens: int, kv_usage: float, pace_ok: bool) -> bool:
+        """May a decode worker claim one more? `held`: requests it holds (streams, KV on its way, prompts it
+        computes); `local_prompt_tokens`: tokens of the prompts it computes itself with no first token yet;
+        `kv_usage`: the engine's KV cache usage (0-1); `pace_ok`: `decode_room.pace_allows` for its streams."""
+        if held >= self.max_running or local_prompt_tokens >= self.prefill_token_budget:
+            return False
+        if kv_usage >= self.kv_watermark:
+            return False
+        return pace_ok or held < 2  # a lone stream slower than its target is the engine's speed
+
+
+class ClaimShield:
+    """A worker's shield state: which tiers its next claim may take from, after a preemption."""
+
+    __slots__ = ("shield",)
+
+    def __init__(self) -> None:
+        self.shield: Shield | None = None
+
+    def preempted_for(self, rank: int, until_ms: int) -> None:
+        """The worker aborted prompts for a request of tier rank `rank` due at `until_ms`: protect it
+        (merged with a shield already up: the looser rank, the later deadline)."""
+        self.shield = Shield(rank, until_ms).merged(self.shield)
+
+    def max_rank(self, now_ms: int) -> int | None:
+        """The loosest tier rank the next claim may take (None: any tier); an expired shield is dropped."""
+        shield = self.shield
+        if shield is None:
+            return None
+        limit = shield.limit(now_ms)
+        if limit is None:
+            self.shield = None
+        return limit
+
+    def found_nothing(self, computing_ranks: Iterable[int]) -> bool:
+        """A claim limited to the shielded tiers found nothing: True when the shield lifts (none of its tiers
+        computes here, `computing_ranks`), so the worker claims any tier again at once; False when it holds
+        (the worker looks again in `RECHECK_S`; meanwhile the looser tiers' entries wait for others)."""
+        shield = self.shield
+        if shield is None or shield.lifts(computing_ranks):
+            self.shield = None
+            return True
+        return False

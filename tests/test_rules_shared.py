@@ -1,0 +1,579 @@
+"""One copy of every rule: the live fleet's decision code and the simulator's, fed the same events, decide the same.
+
+Each test runs a small simulated fleet and, at every decision its workers (or its gateway) make, asks the
+live code the same question in the same state, and compares the answers:
+
+  - the live side is the real code: `WorkerRuntime` (its claim-room check, the tiers a shield lets it claim
+    and the shield's lift, the preemption victims it picks and their order, its measured-rate-or-prior),
+    `TierQueues` (the retry lane's tie, EDF over the heads), `DecodeHandler._plan` (the KV handle's expiry),
+    the vLLM scheduler hook (the step shape and its held-steps counter), and the gateway's
+    `apply_admission` and `learn` (admission, demotion, the calibration hook). No Redis and no engine: its
+    state follows the simulated worker's (claims, finished prompts, the engine's KV usage, the streams'
+    pace samples), copied by hooks on the simulator, on the simulator's clock;
+  - the simulator side runs its own code path; the hooks only watch it.
+
+A rule re-implemented on either side shows up as a different decision at some event of these runs, and each
+run is checked to exercise its rules (victims chosen, a shield that holds and one that lifts, refusals by
+each room limit, held steps, demotions, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+import pytest
+
+from skyline import messages
+from skyline.config import SkylineConfig
+from skyline.gateway.admission import apply_admission, learn
+from skyline.gateway.errors import ApiError
+from skyline.keys import Keys
+from skyline.runs import RunClaim
+from skyline.scheduler.disagg import route
+from skyline.scheduler.edf import pick_tier
+from skyline.simulate import decode_worker as sim_decode
+from skyline.simulate import prefill_worker as sim_prefill
+from skyline.simulate.fleet import FleetSpec, Simulation
+from skyline.simulate.preempt import measured_rate
+from skyline.simulate.request import SimRequest
+from skyline.streams import Claimed
+from skyline.workers import runtime as live_runtime
+from skyline.workers.decode import DecodeHandler
+from skyline.workers.runtime import WorkerRuntime
+from tests.simmodels import HandModel
+
+
+class _SmallKv(HandModel):
+    kv_capacity_tokens = 4_000  # the KV watermark (0.9) binds at 3,600 tokens
+
+    def kv_transfer_s(self, tokens):
+        return 0.05  # claimed requests wait for their KV a while (they count as held meanwhile)
+
+
+class _Engine:
+    """The live worker's engine as its decisions see it: its kind and its KV usage (the simulated engine's)."""
+
+    kind = "vllm"  # vLLM's step shape (cap, background steps, holding): what the simulator models
+
+    def __init__(self, kv_usage=lambda: 0.0):
+        self.kv_usage, self.on_step = kv_usage, None
+
+    def stats(self):
+        return SimpleNamespace(kv_usage=self.kv_usage(), waiting=0)
+
+
+def _config(role: str, admission: bool = False, **worker) -> SkylineConfig:
+    cfg = SkylineConfig()
+    # heartbeat_s 0: the simulated worker re-reads its meter at every decision, as the live one does (in a
+    # simulated fleet it reads it once per heartbeat, as the fleet view sees it: a modelled staleness).
+    return replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-twin", heartbeat_s=0.0, **worker),
+                   gateway=replace(cfg.gateway, admission=admission, min_remote_prefill_tokens=0),
+                   observability=replace(cfg.observability, timeline=False, log_events=False))
+
+
+def _request(i: int, tier: str, at: float, prompt: int, out: int = 4, ttft_ms: float = math.inf,
+             tpot_ms: float = math.inf) -> SimRequest:
+    return SimRequest(i, "chat", tier, at, prompt, out, ttft_ms, tpot_ms)
+
+
+def _rid(req: SimRequest) -> str:
+    return f"r{req.index}"
+
+
+def _generate_request(req: SimRequest, arrival_ms: int, deadline_ms: int, ttft_ms: int) -> messages.GenerateRequest:
+    return messages.GenerateRequest(
+        request_id=_rid(req), model="m", prompt_token_ids=[1] * req.prompt_tokens,
+        sampling=messages.SamplingSpec(max_tokens=req.max_tokens), tier=req.tier, arrival_ms=arrival_ms,
+        deadline_ms=deadline_ms, ttft_ms=ttft_ms, tpot_ms=req.tpot_ms, priority=req.priority, route=req.route,
+        preemptions=req.preemptions)
+
+
+class _Task:
+    """Stands for the asyncio task of a request the live worker holds (only its identity matters)."""
+
+
+@dataclass
+class LiveTwin:
+    """A live `WorkerRuntime` holding what a simulated worker holds, on the simulator's clock."""
+
+    rt: WorkerRuntime
+    sim: Simulation
+    q: object  # the simulated stage's queues: the live worker's streams hold the same entries
+    held: dict = field(default_factory=dict)  # request id -> (task, prompt tokens)
+    claimed_ms: dict = field(default_factory=dict)
+
+    def hold(self, req: SimRequest, kv: bool = False) -> None:
+        gen = _generate_request(req, int(req.send_at * 1000), int(req.deadline * 1000), 0)
+        msg = gen if self.rt.role == "prefill" else messages.DecodeWork(gen, kv_handle={"kv": 1} if kv else None)
+        task = _Task()
+        self.rt._hold(Claimed("stream", "0-1", req.tier, msg), task)
+        self.held[_rid(req)] = (task, req.prompt_tokens)
+        self.claimed_ms[_rid(req)] = int(self.sim.loop.now * 1000)
+
+    def release(self, rid: str) -> None:
+        task, tokens = self.held.pop(rid)
+        self.rt._release(rid, task, tokens)  # what the request's task does as it ends
+
+    def victims(self, req: SimRequest, claimed: bool) -> list[str]:
+        """`_preempt_for`'s decision; the victims' tasks are cancelled and re-queued, and so released."""
+        chosen = self.rt.victims_for(req.tier, int(req.deadline * 1000), req.prompt_tokens, claimed)
+        for rid in chosen:
+            self.release(rid)
+        return chosen
+
+    def _heads(self):
+        """The heads of the live worker's streams as `TierQueues` reads them (each tier: stream or retry lane)."""
+        keys, stage, entries, owner = self.rt.keys, self.rt.stage, [], {}
+        for tier in self.q.tier_order:
+            for lane, key in ((self.q.queues[tier], keys.stream(stage, tier)),
+                              (self.q.retry[tier], keys.retry_stream(stage, tier))):
+                if lane:
+                    head = lane[0][0]
+                    entries.append((key, {b"deadline_ms": int(head.deadline * 1000),
+                                          b"prompt_tokens": head.prompt_tokens}))
+                    owner[key] = head
+        return self.rt.queues.heads_of(entries), owner
+
+    def pick(self) -> SimRequest | None:
+        """What the live claim loop takes: EDF among the tiers the shield allows; when none of those waits,
+        the shield's lift (then it claims again at once) or nothing."""
+        heads, owner = self._heads()
+        while True:
+            tiers = self.rt._claimable_tiers()
+            tier = self.rt.queues.pick(heads, tiers)
+            if tier is not None:
+                return owner[heads[tier].stream]
+            if tiers is None or not self.rt.claims.found_nothing(self.rt.computing_ranks()):
+                return None
+
+    def head(self) -> SimRequest | None:
+        """The head `_maybe_preempt` checks while the worker is full."""
+        heads, owner = self._heads()
+        tier = pick_tier({t: h.deadline_ms for t, h in heads.items()}, self.rt.tiers_by_rank)
+        return owner[heads[tier].stream] if tier else None
+
+
+def _live(cfg: SkylineConfig, sim: Simulation, q, monkeypatch, kv_usage=lambda: 0.0) -> LiveTwin:
+    monkeypatch.setattr(live_runtime, "now_ms", lambda: int(sim.loop.now * 1000))
+    monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: sim.loop.now, time=time.time))
+    return LiveTwin(WorkerRuntime(cfg, _Engine(kv_usage), "m"), sim, q)
+
+
+def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> None:
+    """Every claim the simulated worker makes (`claim_for`) and every preemption it decides (`victims_for`)
+    is asked of the live worker in the same state; the live worker then holds what the simulated one holds."""
+    real_claim, real_victims = module.claim_for, module.victims_for
+
+    def claim_for(w, q, held):
+        if w is not worker:
+            return real_claim(w, q, held)
+        live = twin.pick()
+        item = real_claim(w, q, held)
+        sim = item[0] if item else None
+        assert sim is live, f"claims differ at {w.sim.loop.now:.3f} s: simulated {sim and _rid(sim)}, live {live and _rid(live)}"
+        log.append(("claim", _rid(live) if live else None))
+        if item is not None and item[1] is not None:  # decode work with a KV handle: no prompt to compute here
+            twin.hold(item[0], kv=True)
+        return item
+
+    def victims_for(w, held, head, claimed=True):
+        if w is not worker:
+            return real_victims(w, held, head, claimed)
+        if not claimed:
+            assert twin.head() is head, "the head checked by a full worker differs"
+        live = twin.victims(head, claimed)
+        out = real_victims(w, held, head, claimed)
+        sim = [_rid(h.req) for h in out]
+        assert sim == live, f"victims differ at {w.sim.loop.now:.3f} s: simulated {sim}, live {live}"
+        log.append(("victims", tuple(live)))
+        if claimed:
+            twin.hold(head)  # the live worker starts the request after its preemption check
+        return out
+
+    monkeypatch.setattr(module, "claim_for", claim_for)
+    monkeypatch.setattr(module, "victims_for", victims_for)
+
+
+def _watch_room(worker, twin: LiveTwin, log: list) -> None:
+    real = worker.has_room
+
+    def has_room():
+        sim, live = real(), twin.rt.has_room()
+        assert sim == live, f"room differs at {worker.sim.loop.now:.3f} s: simulated {sim}, live {live}"
+        log.append(("room", live))
+        return sim
+
+    worker.has_room = has_room
+
+
+# -- the prefill worker: room, preemption, shield, the measured rate -----------------------------------------
+
+
+def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
+    cfg = _config("prefill", max_running=4, prefill_token_budget=2048)
+    sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 1_000.0, max_step_tokens=256),
+                     HandModel("d", 1_000.0, max_step_tokens=256, step_s=0.01))
+    twin = _live(cfg, sim, sim.prefill_q, monkeypatch)
+    w = sim.prefill_workers[0]
+    assert twin.rt.preemption == w.preemption  # one config, one preemption policy (the engine's step shape)
+    log: list = []
+    _watch_claims(sim_prefill, w, twin, log, monkeypatch)
+    _watch_room(w, twin, log)
+    real_finish = w._finish
+
+    def finish(h, now):
+        rid = _rid(h.req)
+        # PrefillHandler: the prompt's busy time into the meter, and the request is done here.
+        twin.rt.meter.record(twin.claimed_ms[rid], int(now * 1000), h.req.prompt_tokens)
+        twin.release(rid)
+        real_finish(h, now)
+        assert twin.rt.tokens_per_s() == measured_rate(w), (list(twin.rt.meter._samples), list(w.meter._samples))
+        log.append(("rate", measured_rate(w)))
+
+    w._finish = finish
+    reqs = [
+        _request(0, "batch", 0.000, 1200), _request(1, "batch", 0.001, 800), _request(2, "standard", 0.002, 300),
+        _request(3, "interactive", 0.003, 200),  # the worker is full (2,300 tokens): preempts, shields
+        _request(4, "standard", 0.004, 100),  # shielded: waits while the interactive prompt computes
+        _request(5, "interactive", 3.0, 120), _request(6, "batch", 3.001, 1900), _request(7, "standard", 3.002, 150),
+        _request(8, "interactive", 3.003, 400), _request(9, "interactive", 3.004, 300), _request(10, "batch", 3.005, 50),
+        _request(11, "standard", 3.006, 1000), _request(12, "interactive", 3.007, 600, ttft_ms=700),
+        _request(13, "standard", 3.3, 900), _request(14, "batch", 3.301, 700), _request(15, "interactive", 3.302, 500),
+    ]
+    sim.run(reqs, 120.0)
+    assert all(r.outcome == "ok" for r in reqs)
+    assert [v for k, v in log if k == "victims" and len(v) > 1], "no preemption of two prompts at once"
+    assert ("claim", None) in log  # a shield held a claim back ...
+    assert sim.counters["preempted"] >= 3
+    assert ("room", False) in log and ("room", True) in log
+    assert len({v for k, v in log if k == "rate"}) > 2  # measured rates, not only the prior
+
+
+# -- the decode worker: room (budget, KV, pace), local prompts' preemption, step shape -----------------------
+
+
+def _decode_scenario(monkeypatch, steps: bool):
+    cfg = _config("decode", max_running=8, prefill_token_budget=700, tpot_headroom=0.9)
+    cfg = replace(cfg, engine=replace(cfg.engine, max_num_batched_tokens=256))
+    sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 2_000.0, max_step_tokens=256),
+                     _SmallKv("d", 1_000.0, max_step_tokens=256, step_s=0.04, s_per_context_token=2e-6))
+    w = sim.decode_workers[0]
+    twin = _live(cfg, sim, sim.decode_q, monkeypatch, kv_usage=lambda: (w.C + w.reserved) / w.kv_capacity)
+    assert twin.rt.preemption == w.preemption
+    twin.rt.pace = w.pace  # the streams' pace samples: the live meter reads what the simulated one was fed
+    monkeypatch.setattr(sim_decode, "PACE_READ_S", 0.0)  # the simulated verdict is re-read at every event
+    log: list = []
+    _watch_claims(sim_decode, w, twin, log, monkeypatch)
+    _watch_room(w, twin, log)
+    real_join, real_done = w._join, sim.on_done
+
+    def join(req, produced=0):
+        if produced:  # a prompt computed here has its first token (DecodeHandler._prefilled_here)
+            rid = _rid(req)
+            twin.rt.meter.record(twin.claimed_ms[rid], int(sim.loop.now * 1000), req.prompt_tokens)
+            twin.rt.local_prefill_done(rid)
+        real_join(req, produced)
+
+    def on_done(req):
+        if _rid(req) in twin.held:  # (requests of the prefill pool's own decode worker only)
+            twin.release(_rid(req))
+        real_done(req)
+
+    w._join, sim.on_done = join, on_done
+    if steps:
+        _watch_steps(w, log, monkeypatch)
+    rag, chat = dict(ttft_ms=5_000, tpot_ms=300), dict(ttft_ms=900, tpot_ms=120)
+    reqs = [
+        _request(0, "standard", 0.0, 600, out=30, **rag), _request(1, "interactive", 0.05, 400, out=40, **chat),
+        _request(2, "interactive", 0.9, 450, out=60, **chat), _request(3, "standard", 0.07, 1_500, out=20, **rag),
+        _request(4, "batch", 0.08, 1_800, out=10), _request(5, "interactive", 0.3, 200, out=50, **chat),
+        _request(6, "standard", 0.35, 300, out=80, **rag), _request(7, "interactive", 0.4, 60, out=30, **chat),
+        _request(8, "batch", 1.0, 500, out=5), _request(9, "interactive", 1.1, 100, out=20, **chat),
+        _request(10, "standard", 1.2, 1_500, out=10, **rag), _request(11, "interactive", 1.25, 80, out=10, **chat),
+        _request(12, "standard", 1.3, 400, out=100, **rag), _request(13, "interactive", 1.35, 150, out=20, **chat),
+        _request(14, "batch", 2.0, 650, out=40), _request(15, "interactive", 2.05, 300, out=20, **chat),
+        _request(16, "interactive", 2.06, 350, out=20, **chat), _request(17, "standard", 2.5, 2_000, out=30, **rag),
+        # The fleet idle again: a batch prompt computing, two chats (the second finds the worker full: the
+        # batch prompt is preempted and the chats' tier shielded), then a standard request the shield holds back.
+        _request(18, "batch", 20.0, 650, out=5), _request(19, "interactive", 20.01, 100, out=5, **chat),
+        _request(20, "interactive", 20.02, 300, out=5, **chat), _request(21, "standard", 20.03, 50, out=5, **rag),
+        # A chat computing while a looser prompt waits in the engine, not started: nothing is held back.
+        _request(22, "interactive", 40.0, 500, out=5, **chat), _request(23, "batch", 40.01, 150, out=5),
+        # Many chats whose KV is on its way at once (every prompt prefilled remotely from 59 s; transfers take
+        # 50 ms): the worker fills up with them.
+        *(_request(24 + i, "interactive", 60.0 + 0.002 * i, 100, out=40, **chat) for i in range(12)),
+    ]
+    sim.disagg = replace(sim.disagg, min_remote_prefill_tokens=1_000)  # shorter prompts: computed by the decode worker
+    sim.loop.at(59.0, lambda _: setattr(sim, "disagg", replace(sim.disagg, min_remote_prefill_tokens=0)))
+    sim.run(reqs, 300.0)
+    assert all(r.outcome == "ok" for r in reqs)
+    return log, sim
+
+
+def _watch_steps(w, log: list, monkeypatch) -> None:
+    """Every step the simulated decode engine shapes is shaped by the live vLLM scheduler hook too: the same
+    prompts (started ones running, the others waiting) and decodes, on the same clock; the decode-only steps
+    the simulator runs in closed form in between are shown to the hook as one step with decodes only."""
+    vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+    monkeypatch.setattr(vllm_scheduler, "time", SimpleNamespace(monotonic=lambda: w.sim.loop.now))
+    hook, last = _live_hook(vllm_scheduler, w), {"k": None}
+    real = sim_decode.shape_step
+
+    def req_of(name, priority, prompt, computed):
+        return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed,
+                               status=None)
+
+    def shape_step(shaper, order, decoding, sim):
+        decodes = [req_of(f"d{i}", 0, 1, 2) for i in range(decoding)]
+        if last["k"] is not None and w.k > last["k"] + 1 and decoding:
+            hook.running, hook.waiting = list(decodes), []
+            hook.schedule()  # closed-form decode-only steps ran since the last mixed one
+        last["k"] = w.k
+        started = [h for h in order if h.done > h.req.cached_tokens]
+        hook.running = [req_of(_rid(h.req), h.req.priority, h.req.prompt_tokens, h.done) for h in started] + decodes
+        hook.waiting = [req_of(_rid(h.req), h.req.priority, h.req.prompt_tokens, 0) for h in order if h not in started]
+        hook.schedule()
+        running, tokens, cap = hook.seen
+        kept, shape = real(shaper, order, decoding, sim)
+        assert (shape.tokens, shape.prefill_cap) == (tokens, cap), "step shapes differ"
+        held_live = {_rid(h.req) for h in started} - set(running)
+        held_sim = {_rid(h.req) for h in started if h not in kept}
+        assert held_sim == held_live and shaper.held == hook._shaper.held, "held prompts differ"
+        log.append(("step", tokens, cap, tuple(sorted(held_live)), hook._shaper.held))
+        return kept, shape
+
+    monkeypatch.setattr(sim_decode, "shape_step", shape_step)
+
+
+def _live_hook(vllm_scheduler, w):
+    """The live vLLM scheduler hook, configured as the simulated decode engine `w`, in front of a stand-in
+    for vLLM's schedule() that records what it was handed: the running requests, the budget and the cap."""
+
+    class StandIn:
+        def schedule(self):
+            self.seen = ([r.name for r in self.running], self.max_num_scheduled_tokens,
+                         self.scheduler_config.long_prefill_token_threshold)
+
+    class Hook(vllm_scheduler._StepShaping, StandIn):
+        def __init__(self):
+            sim = w.sim
+            self.vllm_config = SimpleNamespace(additional_config={vllm_scheduler.CONFIG_KEY: {
+                "background_tokens": sim.decode_background, "max_held_steps": sim.max_held_steps,
+                "urgent_priority": sim.urgent_priority}})
+            self.max_num_scheduled_tokens = w.perf.max_step_tokens
+            self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=sim.decode_cap)
+            self._init_step_shaping()
+
+    return Hook()
+
+
+def test_the_decode_worker_decides_as_the_live_one(monkeypatch):
+    log, sim = _decode_scenario(monkeypatch, steps=False)
+    rooms = [v for k, v in log if k == "room"]
+    assert True in rooms and False in rooms
+    assert [v for k, v in log if k == "victims" and v], "no local prompt was preempted"
+    assert ("claim", None) in log  # a shield held a claim back
+
+
+def test_the_decode_engine_shapes_its_steps_as_the_live_scheduler_hook(monkeypatch):
+    log, _sim = _decode_scenario(monkeypatch, steps=True)
+    steps = [e for e in log if e[0] == "step"]
+    assert any(e[3] for e in steps), "no step held a prompt back"
+    assert any(e[4] > 1 for e in steps), "never two held steps in a row"
+
+
+def test_a_decode_only_step_ends_a_run_of_held_steps_as_in_the_live_hook(monkeypatch):
+    """The simulator computes decode-only steps in closed form, without the step hook; the live hook sees each
+    of them, and a step that holds nothing back ends the run of held steps. The simulated engine, leaving its
+    stepped mode with streams still decoding, does the same."""
+    vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+    cfg = _config("decode")
+    sim = Simulation(cfg, FleetSpec("colocated", 0, 1), HandModel("p", 1_000.0),
+                     HandModel("d", 1_000.0, max_step_tokens=256, step_s=0.02))
+    w = sim.decode_workers[0]
+    real = sim_decode.shape_step
+
+    def shape_step(shaper, order, decoding, sim):
+        kept, shape = real(shaper, order, decoding, sim)
+        shaper.held = 3  # as if this step had held started prompts back, the third in a row
+        return kept, shape
+
+    monkeypatch.setattr(sim_decode, "shape_step", shape_step)
+    ends = []
+    real_reschedule = w._reschedule
+
+    def reschedule():
+        if not w.stepping and w.B:
+            ends.append(w.shaper.held)  # stepped mode over, streams decoding on
+        real_reschedule()
+
+    w._reschedule = reschedule
+    sim.run([_request(0, "standard", 0.0, 50, out=200), _request(1, "interactive", 0.5, 100, out=5)], 60.0)
+    live = _live_hook(vllm_scheduler, w)
+    live._shaper.held = 3
+    live.running = [SimpleNamespace(name="d", priority=1, num_prompt_tokens=50, num_computed_tokens=60)]
+    live.waiting = []
+    live.schedule()  # a step with one stream decoding, nothing else
+    assert ends and set(ends) == {live._shaper.held} == {0}
+
+
+# -- the gateway: admission, demotion, the calibration hook --------------------------------------------------
+
+
+class _FakeRedis:
+    """The backlog hash, as `reserve_backlog` and `release_backlog` use it (they never wait here)."""
+
+    def __init__(self):
+        self.hash: dict[str, int] = {}
+
+    def pipeline(self, transaction=True):
+        ops, r = [], self
+
+        class Pipe:
+            def hincrby(self, _key, name, n):
+                ops.append(("incr", name, n))
+
+            def hgetall(self, _key):
+                ops.append(("all",))
+
+            async def execute(self):
+                out = []
+                for op in ops:
+                    if op[0] == "incr":
+                        r.hash[op[1]] = r.hash.get(op[1], 0) + op[2]
+                        out.append(r.hash[op[1]])
+                    else:
+                        out.append(dict(r.hash))
+                return out
+
+        return Pipe()
+
+    async def hincrby(self, _key, name, n):
+        self.hash[name] = self.hash.get(name, 0) + n
+
+
+def _run(coro):
+    """Run a coroutine that never waits (the fakes answer at once) without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("the live admission code waited on something")
+
+
+@dataclass
+class _Prep:
+    """The fields of a prepared request that admission reads and returns."""
+
+    request: messages.GenerateRequest
+    slo: object
+    route: str
+    allow_demotion: bool = True
+    admission: str = "admit"
+    predicted_ttft_ms: float | None = None
+    model_ttft_ms: float | None = None
+
+
+@pytest.mark.parametrize("demotion", [True, False])
+def test_the_simulated_gateway_admits_demotes_and_learns_as_the_live_one(demotion):
+    cfg = _config("decode", admission=True)
+    cfg = replace(cfg, gateway=replace(cfg.gateway, first_token_overhead_ms=20.0, max_queued_tokens=30_000))
+    sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 3_000.0, max_step_tokens=512),
+                     HandModel("d", 3_000.0, max_step_tokens=512, step_s=0.01), allow_demotion=demotion)
+    live_cal, redis, keys, preps = type(sim.calibration)(), _FakeRedis(), Keys("skyline"), {}
+    metrics = SimpleNamespace(admission=SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None)))
+    policy = sim.admission
+    outcomes = Counter()
+    real_arrive, real_done = sim.arrive, sim.on_done
+
+    def arrive(req):
+        now_ms = int(sim.loop.now * 1000)
+        slo = replace(sim._slo(req), arrival_ms=now_ms)
+        path = route(sim.disagg, req.prompt_tokens, sim.seen_prefill_backlog)
+        redis.hash = {f"{stage}:{t}": n for stage, q in (("prefill", sim.prefill_q), ("decode", sim.decode_q))
+                      for t, n in q.backlog.items()}
+        gen = messages.GenerateRequest(_rid(req), "m", [1] * req.prompt_tokens, messages.SamplingSpec(max_tokens=1),
+                                       slo.tier, now_ms, slo.deadline_ms, slo.ttft_ms, slo.tpot_ms, slo.priority, path)
+        try:
+            prep = _run(apply_admission(cfg, policy, redis, keys, SimpleNamespace(workers=sim._view.workers),
+                                        _Prep(gen, slo, path, allow_demotion=demotion), metrics, live_cal))
+            live = ("demote" if prep.admission == "demote" else "admit", prep.request.tier, prep.request.priority,
+                    prep.request.deadline_ms - now_ms, prep.request.tpot_ms, prep.model_ttft_ms)
+            preps[_rid(req)] = prep
+        except ApiError as exc:
+            live = ({429: "rejected", 503: "error"}[exc.status],)
+        real_arrive(req)
+        if req.outcome in ("rejected", "error"):
+            simulated = (req.outcome,)
+        else:
+            simulated = ("demote" if req.decision == "demote" else "admit", req.tier, req.priority,
+                         round((req.deadline - sim.loop.now) * 1000), req.tpot_ms, req.model_ttft_ms)
+        assert simulated == live, f"admission differs for {_rid(req)}: simulated {simulated}, live {live}"
+        outcomes[live[0]] += 1
+
+    def on_done(req):
+        real_done(req)
+        prep = preps.get(_rid(req))
+        if prep is not None:
+            learn(live_cal, SimpleNamespace(prep=prep, ttft_s=lambda: req.ttft_s), 200, object())
+        for stage in ("prefill", "decode"):
+            for tier in ("interactive", "standard", "batch"):
+                assert live_cal.scale((stage, tier)) == sim.calibration.scale((stage, tier))
+
+    sim.arrive, sim.on_done = arrive, on_done
+    reqs = []
+    for i in range(160):
+        tier, prompt = [("interactive", 300), ("standard", 2_500), ("interactive", 80), ("batch", 1_200)][i % 4]
+        reqs.append(_request(i, tier, i * 0.01, prompt, out=3, ttft_ms=150 if tier == "interactive" else math.inf))
+    sim.run(reqs, 60.0)
+    assert outcomes["admit"] and outcomes["demote" if demotion else "rejected"] and outcomes["error"], outcomes
+    assert live_cal._scale and any(s < 1.0 for s in live_cal._scale.values())  # it learnt something
+
+
+# -- the streams: the retry lane's tie; the decode worker: the KV handle's expiry ----------------------------
+
+
+def test_the_retry_lane_and_its_tie_as_the_live_streams(monkeypatch):
+    cfg = _config("prefill")
+    sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 1_000.0), HandModel("d", 1_000.0))
+    twin = _live(cfg, sim, sim.prefill_q, monkeypatch)
+    q = sim.prefill_q
+    cases = [(5.0, 5.0), (5.0002, 5.0007), (5.0007, 5.0002), (5.0, 5.001), (5.001, 5.0), (4.9996, 5.0004)]
+    for i, (stream_deadline, retry_deadline) in enumerate(cases):
+        a, b = _request(2 * i, "standard", 0, 10), _request(2 * i + 1, "standard", 0, 10)
+        a.deadline, b.deadline = stream_deadline, retry_deadline
+        q.push(a, (a, None))
+        q.push_retry(b, (b, None))
+        live, simulated = twin.pick(), q.head()[0]
+        assert simulated is live, (stream_deadline, retry_deadline)
+        q.claim()
+        q.claim()
+
+
+async def test_a_kv_handle_expires_as_the_live_decode_worker_sees_it(monkeypatch):
+    cfg = _config("decode")
+    lease = cfg.engine.kv_lease_s
+    sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 1_000.0), HandModel("d", 1_000.0))
+    twin = _live(cfg, sim, sim.decode_q, monkeypatch)
+    handler = DecodeHandler(twin.rt)
+    monkeypatch.setattr("skyline.workers.decode.now_ms", lambda: int(sim.loop.now * 1000))
+    w = sim.decode_workers[0]
+    sim.loop.now = 1_000.0
+    seen = []
+    for i, age_s in enumerate([0.0, 0.8 * lease - 0.001, 0.8 * lease, 0.8 * lease + 0.001, 2 * lease]):
+        req = _request(i, "standard", 0.0, 10)
+        req.deadline, req.tier, req.rank = sim.loop.now + 5, "standard", 1
+        finished_ms = int((sim.loop.now - age_s) * 1000)
+        work = messages.DecodeWork(_generate_request(req, 0, 0, 5_000), kv_handle={"kv": 1}, prefill_worker="",
+                                   prefill_finished_ms=finished_ms)
+        _ereq, handle, why = await handler._plan(work, RunClaim(attempt=1, done=False, frames=0, output=[]))
+        arriving = w.arriving
+        sim.decode_q.push(req, (req, finished_ms / 1000))
+        w.claim_while_room(1)
+        assert (w.arriving > arriving) == (handle is not None), age_s
+        seen.append(why)
+    assert seen == ["", "", "", "handle_expired", "handle_expired"]
