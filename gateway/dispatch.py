@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
@@ -18,16 +19,16 @@ from redis.exceptions import RedisError
 
 from skyline import messages
 from skyline.config import SkylineConfig
-from skyline.gateway.admission import apply_admission, learn, policy_of, stage_of
+from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
 from skyline.gateway.prepare import Prepared, Serving, needed_roles
-from skyline.gateway.relay import Relay, RelayUnavailable
+from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
 from skyline.keys import Keys
-from skyline.scheduler.admission import TtftCalibration
+from skyline.scheduler.admission import TtftCalibration, policy_of, stage_of
 from skyline.scheduler.disagg import route
 from skyline.streams import enqueue, now_ms, release_backlog
 
@@ -66,14 +67,21 @@ class Dispatcher:
             raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
                                 f"start one with {hint}", code="no_workers",
                            headers={"Retry-After": "1"})
-        if cfg.gateway.admission:
-            try:
-                prep = await apply_admission(cfg, self.admission_policy, r, self.keys, fleet, prep, self.metrics,
-                                             self.calibration)
-            except (RedisError, OSError) as exc:
-                raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
+        # Subscribe while admission control decides: the two round trips overlap. The request is
+        # enqueued only once Redis confirmed the subscription, so no frame can be missed.
+        subscribing = asyncio.ensure_future(self._subscribe(prep.request.request_id))
         try:
-            return await self._subscribe_and_enqueue(prep)
+            if cfg.gateway.admission:
+                try:
+                    prep = await apply_admission(cfg, self.admission_policy, r, self.keys, fleet, prep, self.metrics,
+                                                 self.calibration)
+                except (RedisError, OSError) as exc:
+                    raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
+        except BaseException:
+            self._drop_subscription(subscribing)
+            raise
+        try:
+            return await self._enqueue(prep, await subscribing)
         except ApiError:
             if cfg.gateway.admission:  # the reservation made by admission control is void
                 with contextlib.suppress(RedisError, OSError):
@@ -81,13 +89,24 @@ class Dispatcher:
                                           len(prep.request.prompt_token_ids))
             raise
 
-    async def _subscribe_and_enqueue(self, prep: Prepared) -> Session:
-        relay, r = self.relay, self.redis
-        assert relay is not None and r is not None
+    async def _subscribe(self, request_id: str) -> Subscription:
+        assert self.relay is not None
         try:
-            sub = await relay.subscribe(prep.request.request_id)
+            return await self.relay.subscribe(request_id)
         except RelayUnavailable as exc:
             raise ApiError(503, str(exc), code="relay_unavailable") from None
+
+    def _drop_subscription(self, subscribing: asyncio.Future) -> None:
+        """The request was refused while its subscription was on its way: take it back."""
+        if not subscribing.done():
+            subscribing.cancel()  # Relay.subscribe unsubscribes what it sent
+        elif not subscribing.cancelled() and subscribing.exception() is None:
+            assert self.relay is not None
+            self.relay.unsubscribe(subscribing.result())
+
+    async def _enqueue(self, prep: Prepared, sub: Subscription) -> Session:
+        relay, r = self.relay, self.redis
+        assert relay is not None and r is not None
         session = Session(prep, sub, relay, r, self.keys, self.cfg.gateway, self.metrics, self.background)
         session.on_close.append(self.observer.closed)
         if self.calibration is not None:
@@ -100,6 +119,7 @@ class Dispatcher:
             session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
             await enqueue(r, self.keys, stage, msg, self.cfg.redis.stream_maxlen,
                           backlog_reserved=self.cfg.gateway.admission)
+            session.t_enqueued = time.perf_counter()
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel
             session.close(503)

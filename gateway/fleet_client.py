@@ -116,7 +116,8 @@ class FleetClient:
             ids = list(prompt["prompt_token_ids"])
             fleet_id = _fleet_id(scope, request_id)
             prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
-                           sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival)
+                           sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival,
+                           cache_salt=prompt.get("cache_salt"))
             session = await self._submit(scope, prep, request_id)
             assembler = OutputAssembler(request_id, prompt.get("prompt"), ids, sampling_params.n,
                                         sampling_params.output_kind, sampling_params.logprobs is not None)
@@ -244,8 +245,6 @@ def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_
         refuse("ec_transfer_params", "encoder caches (multimodal) are not moved between its workers")
     if getattr(params, "routed_experts_prompt_start", None):
         refuse("routed_experts_prompt_start", "routed experts are not carried back from its workers")
-    if prompt.get("cache_salt") is not None:
-        refuse("cache_salt", "its workers do not isolate prefix caches per salt yet")
     if session_id is not None:
         refuse("session_id", "streaming-input sessions are not carried through the fleet")
     if kv_hints is not None:

@@ -75,6 +75,7 @@ class Prepared:
     predicted_ttft_ms: float | None = None  # admission control's prediction, reported back
     model_ttft_ms: float | None = None  # the same before calibration: what the calibration learns from
     route_fixed: bool = False  # the client chose the route (x-skyline-route): never re-routed
+    t_prepared: float = 0.0  # perf_counter() once vLLM's serving code had rendered it and Skyline prepared it
 
 
 def check_auth(request: Request, api_keys: tuple[str, ...]) -> None:
@@ -150,7 +151,7 @@ def sampling_spec(params: Any) -> SamplingSpec:
 
 def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None, request_id: str,
             prompt_ids: list[int], params: Any, stream: bool, include_usage: bool, arrival_ms: int,
-            t_arrival: float) -> Prepared:
+            t_arrival: float, cache_salt: str | None = None) -> Prepared:
     """The message to enqueue for one prompt of a request vLLM's serving layer has validated."""
     slo = _slo(serving.cfg, spec, request, arrival_ms)
     path = _route(serving, request, len(prompt_ids))
@@ -166,11 +167,13 @@ def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None,
         tpot_ms=slo.tpot_ms,
         priority=slo.priority,
         route=path,
+        cache_salt=cache_salt,
     )
     demotion = request.headers.get("x-slo-allow-demotion", "").lower() in ("1", "true", "yes") or bool(
         spec and spec.allow_demotion)
     return Prepared(kind, gen, slo, path, stream, include_usage, int(time.time()), t_arrival,
-                    allow_demotion=demotion, route_fixed="x-skyline-route" in request.headers)
+                    allow_demotion=demotion, route_fixed="x-skyline-route" in request.headers,
+                    t_prepared=time.perf_counter())
 
 
 def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms: int) -> Slo:

@@ -58,6 +58,7 @@ class Session:
         self.closed = False
         self.cancel_reason: str | None = None
         self.t_enqueue_ms = 0  # wall clock just before the XADD (the timeline's `enqueued`)
+        self.t_enqueued: float | None = None  # perf_counter() once the XADD returned
         self.failure: messages.Failed | None = None  # the error frame, when the request failed
         self.t_last_token: float | None = None
         self.itl_s: list[float] = []  # gaps between frames that carried tokens
@@ -160,7 +161,19 @@ class Session:
             "resumed_at_token": fin.resumed_at_token,
             "kv_transfer": fin.kv_transfer,
             "timings": fin.timings,
+            "gateway_timings": self.gateway_timings(),
         }
+
+    def gateway_timings(self) -> dict[str, float | None]:
+        """Where the gateway's TTFT went (ms): rendering and checks (vLLM's serving code, then Skyline's SLO
+        and route), admission + subscribe + enqueue, and the fleet until the first token frame came back."""
+        p = self.prep
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None or not a else round((b - a) * 1000, 3)
+
+        return {"render_ms": ms(p.t_arrival, p.t_prepared), "enqueue_ms": ms(p.t_prepared, self.t_enqueued),
+                "fleet_first_token_ms": ms(self.t_enqueued, self.t_first_token)}
 
     def usage(self, fin: messages.Finished) -> dict[str, int]:
         prompt = fin.prompt_tokens or len(self.prep.request.prompt_token_ids)

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port-base", type=int, default=9100,
                     help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); "
                          "0 = free ports")
+    up.add_argument("-v", "--verbose", action="store_true",
+                    help="relay every line of every process (always in $SKYLINE_HOME/logs/<name>.log)")
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _common(gw)
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--max-tokens", type=int, default=256)
     ov.add_argument("--decode-step-ms", type=float, default=0.0,
                     help="sim decode step time; > 0 streams one token per frame (per-message cost)")
+    ov.add_argument("--no-baseline", action="store_true",
+                    help="skip the baseline (vLLM's OpenAI server over an engine that answers at once)")
     ch = bsub.add_parser("churn", help="reliability: requests flow while workers are killed and Redis restarts (sim)")
     ch.add_argument("--requests", type=int, default=300)
     ch.add_argument("--rate", type=float, default=5.0, help="requests/s, evenly spaced")

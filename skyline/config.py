@@ -176,7 +176,7 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    """Per-request timelines, the rolling SLO record, logs (README "Observability")."""
+    """Per-request timelines, the rolling SLO record, logs (docs/operations.md "Observability")."""
 
     timeline: bool = True  # record each request's events in Redis (`skyline trace`, GET /v1/requests/{id}/timeline)
     timeline_ttl_s: int = 3600  # how long a request's timeline is kept after its last event
@@ -189,7 +189,7 @@ class ObservabilityConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """Batch jobs (skyline/batch/, README "Batch jobs"): files, limits, the runner and its pacing."""
+    """Batch jobs (skyline/batch/, docs/batch.md): files, limits, the runner and its pacing."""
 
     tier: str = "batch"  # SLO tier the runner sends batch requests in
     # Where the runner sends requests (the gateway's OpenAI API); "" = http://<gateway.host>:<gateway.port>.

@@ -69,6 +69,7 @@ class GenerateRequest:
     route: str = "disagg"  # "disagg": prefill worker then decode worker; "colocated": decode worker does both
     attempt: int = 0
     preemptions: int = 0  # times a prefill worker aborted and re-queued it for a stricter request
+    cache_salt: str | None = None  # vLLM's per-request prefix-cache salt: hits only other requests with the same salt
 
 
 @dataclass

@@ -4,7 +4,7 @@ A live terminal view (redrawn every second, fits 100 columns), `--once` for
 scripts, `--json` for tools. SLO attainment comes from the per-minute
 counters every gateway writes (skyline/slo_record.py).
 
-The same numbers are available by hand (see the README):
+The same numbers are available by hand (README "Looking at the queues", docs/operations.md):
   XINFO STREAM / XINFO GROUPS skyline:{prefill}:interactive   length, pending, lag
   XPENDING skyline:{decode}:standard decode                    claimed but not acked
   ZRANGE skyline:workers 0 -1 WITHSCORES; HGETALL skyline:worker:<id>

@@ -174,6 +174,16 @@ def test_duplicate_frames_are_not_repeated(fleet):
     assert fut.result().choices[0].text == "AB"
 
 
+def test_cache_salt_travels_with_the_prompt(fleet):
+    _gw, client, worker, pool = fleet
+    fut = pool.submit(client.completions.create, model=MODEL, prompt="salted", max_tokens=2,
+                      extra_body={"cache_salt": "tenant-a"})
+    _f, msg = worker.take("prefill")
+    assert msg.cache_salt == "tenant-a"
+    worker.send(*worker.script(msg.request_id, ["o", "k"]))
+    assert fut.result().choices[0].text == "ok"
+
+
 def test_failed_frame_becomes_http_error(fleet):
     _gw, client, worker, pool = fleet
     fut = pool.submit(client.completions.create, model=MODEL, prompt="boom", max_tokens=4)

@@ -205,12 +205,26 @@ SAMPLING_CASES = [
     ("chat", dict(messages=CHAT, **GREEDY, extra_body={"skip_special_tokens": False,
                                                        "spaces_between_special_tokens": False})),
     ("completion", dict(prompt=[504, 3458, 282, 4649, 314], **GREEDY)),  # token ids
+    ("chat", dict(messages=CHAT, **GREEDY, extra_body={"cache_salt": "tenant-a"})),
 ]
 
 
 @pytest.mark.parametrize("kind,kw", SAMPLING_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(SAMPLING_CASES)])
 def test_sampling_parameters_give_vllms_answers(clients, kind, kw):
     _same(clients, kind, **kw)
+
+
+def test_cache_salt_separates_prefix_caches_on_the_engine(clients):
+    _, sky = clients
+    long = [{"role": "user", "content": "Salted: " + "A journey of a thousand miles begins with one step. " * 30}]
+
+    def cached(route: str, salt: str) -> int:
+        resp = _call(sky, "chat", route, messages=long, temperature=0, max_tokens=2, extra_body={"cache_salt": salt})
+        return resp.model_extra["skyline"]["kv_transfer"]["num_cached_tokens"]
+
+    cached("colocated", "tenant-a")  # computes the prompt: its blocks are cached under tenant-a's salt
+    assert cached("colocated", "tenant-a") > 0
+    assert cached("colocated", "tenant-b") == 0  # same prompt, another salt: no hit
 
 
 @pytest.mark.parametrize("kind,kw", [SAMPLING_CASES[0], SAMPLING_CASES[2], SAMPLING_CASES[1]])

@@ -24,6 +24,7 @@ from dataclasses import replace
 from skyline import messages
 from skyline.runs import FENCED, RunClaim
 from skyline.scheduler import migration
+from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.migration import resume_refusal
 from skyline.streams import Claimed, now_ms
 from skyline.workers import observe
@@ -70,6 +71,8 @@ class DecodeHandler:
         first_token_ms = 0
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
         finish_reason = "length" if ereq.sampling.max_tokens <= 0 else "abort"
+        prefilled_here = False  # the prompt was computed on this engine: measured and released after the first frame
+        last: GenerationChunk | None = None  # the engine's last chunk, sent together with the final frame
         kv_transfer: dict = {}
         # Prompt logprobs come from where the prompt was computed: the prefill engine's, handed off.
         prompt_logprobs = work.prompt_logprobs if kv_handle is not None else None
@@ -86,11 +89,17 @@ class DecodeHandler:
                         if not first_token_ms:
                             first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
                             self.rt.local_prefill_done(req.request_id)
-                            if kv_handle is None:
-                                await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
-                    if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs:
+                            prefilled_here = kv_handle is None
+                    if chunk.done and self.publisher.in_order_batches:
+                        # The last tokens go out in one round trip with the final frame (below): the
+                        # gateway closes the response as soon as they arrive instead of one publish later.
+                        last = chunk
+                    elif chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs:
                         await stream.delta(chunk, prompt_logprobs)
                         prompt_logprobs = None
+                    if prefilled_here and last is None:  # after the first token is on its way
+                        prefilled_here = False
+                        await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
                     if chunk.finish_reason:
                         finish_reason = chunk.finish_reason
                     if chunk.done:
@@ -118,14 +127,21 @@ class DecodeHandler:
             "decode_ms": done - started,
             "e2e_ms": done - req.arrival_ms,
         }
+        last_frame = stream.delta_frame(last, prompt_logprobs) if last is not None else None
         final = messages.Finished(
-            request_id=req.request_id, seq=stream.seq, finish_reason=finish_reason,
-            prompt_tokens=len(req.prompt_token_ids), completion_tokens=stream.produced, timings=timings,
+            request_id=req.request_id, seq=stream.seq + (last_frame is not None), finish_reason=finish_reason,
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=stream.produced + (len(last.token_ids) if last is not None else 0), timings=timings,
             kv_transfer=kv_transfer, decode_worker=self.rt.worker_id, prefill_worker=work.prefill_worker,
             attempts=run.attempt, resumed_at_token=len(run.output),
         )
         observe.decode_done(self.rt, final, done)
-        await stream.send(final, [], final=True)
+        if last_frame is not None:
+            await stream.send_last(last_frame, last.token_ids, final)
+        else:
+            await stream.send(final, [], final=True)
+        if prefilled_here:
+            await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
         await self.rt.queues.ack(claimed)
 
     async def _prefilled_here(self, claimed: Claimed, started_ms: int, first_token_ms: int, tokens: int) -> None:
@@ -153,7 +169,7 @@ class DecodeHandler:
             # its prefill may now be stale: recompute rather than risk reading reused KV.
             return ereq, None, "decode_retry"
         age = now_ms() - work.prefill_finished_ms
-        if age > 800 * self.rt.cfg.engine.kv_lease_s:
+        if handle_expired(age, self.rt.cfg.engine.kv_lease_s):
             # The prefill engine may already have reused these blocks: pulling them
             # could silently produce wrong output. Prefill here instead.
             log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, age)
@@ -178,14 +194,27 @@ class _Stream:
         self.seq = run.frames
         self.produced = len(run.output)
 
-    async def delta(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> None:
-        frame = messages.TokenDelta(
+    def delta_frame(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> messages.TokenDelta:
+        return messages.TokenDelta(
             self.req.request_id, self.seq, self.produced, chunk.token_ids, chunk.text, choice=chunk.choice,
             logprobs=chunk.logprobs, cumulative_logprob=chunk.cumulative_logprob, finish_reason=chunk.finish_reason,
             stop_reason=chunk.stop_reason, prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs)
-        if await self.send(frame, chunk.token_ids) == 0:
+
+    async def delta(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> None:
+        if await self.send(self.delta_frame(chunk, prompt_logprobs), chunk.token_ids) == 0:
             raise ClientGone
         self.produced += len(chunk.token_ids)
+
+    async def send_last(self, frame: messages.TokenDelta, token_ids: list[int], final: messages.Finished) -> None:
+        """The last tokens and the final frame in one pipeline (Redis runs them in order). Nobody
+        listening is no reason to abort any more: the request is done."""
+        runs, rid, attempt = self.h.rt.runs, self.req.request_id, self.run.attempt
+        calls = [runs.publish_args(rid, attempt, self.channel, messages.encode(frame), False, token_ids, self.seq),
+                 runs.publish_args(rid, attempt, self.channel, messages.encode(final), True, [], self.seq + 1)]
+        if FENCED in await self.h.publisher.publish_in_order(calls):
+            raise Fenced(f"{rid}: attempt {attempt} was taken over")
+        self.seq += 2
+        self.produced += len(token_ids)
 
     async def fail(self, status: int, message: str, code: str | None = None) -> None:
         kind = "invalid_request_error" if status < 500 else "server_error"

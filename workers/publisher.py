@@ -37,11 +37,23 @@ class BatchPublisher:
             if not fut.done():
                 fut.set_exception(ConnectionError("publisher closed"))
 
+    @property
+    def in_order_batches(self) -> bool:
+        """Do calls queued together reach Redis in order (one pipeline)? Not on a cluster (see `_run`)."""
+        return not isinstance(self.r, RedisCluster)
+
     async def publish(self, keys: list, args: list) -> int:
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((keys, args, fut))
         self._ready.set()
         return await fut
+
+    async def publish_in_order(self, calls: list[tuple[list, list]]) -> list[int]:
+        """Several frames of one request, run by Redis in this order: in one pipeline where
+        batches keep their order, one after the other where they do not."""
+        if not self.in_order_batches:
+            return [await self.publish(keys, args) for keys, args in calls]
+        return list(await asyncio.gather(*(self.publish(keys, args) for keys, args in calls)))
 
     async def _pipelined(self, batch: list[tuple[list, list, asyncio.Future]]) -> list:
         """One round trip of plain EVALSHAs. Not redis-py's Script-in-pipeline, which

@@ -36,9 +36,11 @@ from skyline.fleet import WorkerInfo, deregister, heartbeat
 from skyline.keys import Keys
 from skyline.reaper import forget_departed, reclaim
 from skyline.runs import Runs
-from skyline.scheduler.decode_room import TokenPaceMeter, tpot_room
-from skyline.scheduler.preemption import PreemptionPolicy, Running, Shield, Waiting, choose_victims
-from skyline.scheduler.throughput import ThroughputMeter
+from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
+from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
+from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
+from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import Engine
@@ -82,8 +84,9 @@ class WorkerRuntime:
                                            cfg.engine.max_num_batched_tokens, cfg.engine.prefill_cap() if vllm else 0,
                                            cfg.engine.background_tokens(role) if vllm else 0,
                                            vllm and cfg.engine.hold_background_steps > 0)
-        self.shield: Shield | None = None  # set by a preemption: claim only its tiers for a while
-        self.tiers_by_rank = sorted(self.tier_rank, key=self.tier_rank.__getitem__)
+        self.claims = ClaimShield()  # set by a preemption: claim only its tiers for a while
+        self.room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
+        self.tiers_by_rank = tuple(sorted(self.tier_rank, key=self.tier_rank.__getitem__))
         # The tasks (not request ids) being preempted or handed back: a preempted request can be
         # claimed again, under the same id, before its old task has finished cleaning up.
         self.preempting: set[asyncio.Task] = set()
@@ -161,27 +164,26 @@ class WorkerRuntime:
 
     def has_room(self) -> bool:
         """Claim only what the engine can start soon; the rest stays in Redis,
-        in deadline order, where any worker that frees up can take it."""
-        if len(self.in_flight) >= self.cfg.worker.max_running:
-            return False
+        in deadline order, where any worker that frees up can take it (scheduler/claiming.py)."""
+        held = len(self.in_flight)
         if self.role == "prefill":
-            return self.prompt_tokens_in_flight < self.cfg.worker.prefill_token_budget
-        if sum(self.local_prefills.values()) >= self.cfg.worker.prefill_token_budget:
-            return False
-        if self.engine.stats().kv_usage >= self.cfg.worker.kv_watermark:
-            return False
-        if self.cfg.worker.tpot_headroom <= 0:
+            return self.room.prefill(held, self.prompt_tokens_in_flight)
+        return self.room.decode(held, sum(self.local_prefills.values()), self.engine.stats().kv_usage, self._pace_ok())
+
+    def _pace_ok(self) -> bool:
+        """The pace rule's verdict for the streams this decode worker holds (scheduler/decode_room.py)."""
+        headroom = self.cfg.worker.tpot_headroom
+        if headroom <= 0:
             return True  # the pace rule is off
         tightest = min((_request_of(c.message).tpot_ms for _t, c in self.in_flight.values()), default=None)
-        return tpot_room(self.pace.seconds_per_token(time.monotonic()), tightest, self.cfg.worker.tpot_headroom,
-                         len(self.in_flight))
+        return pace_allows(self.pace.seconds_per_token(time.monotonic()), tightest, headroom)
 
     def local_prefill_done(self, request_id: str) -> None:
         """Decode: a prompt computed here produced its first token; it no longer holds the step budget."""
         self.local_prefills.pop(request_id, None)
 
     def tokens_per_s(self) -> float:
-        return self.meter.tokens_per_s(now_ms()) or self.cfg.worker.prior_prefill_tokens_per_s
+        return rate_or_prior(self.meter.tokens_per_s(now_ms()), self.cfg.worker.prior_prefill_tokens_per_s)
 
     async def _maybe_preempt(self) -> None:
         """Fleet-level preemption (see scheduler/preemption.py): abort the least
@@ -190,7 +192,7 @@ class WorkerRuntime:
         heads = await self.queues.peek_heads(block_ms=0)
         if not heads:
             return
-        head = min(heads.values(), key=lambda h: (h.deadline_ms, self.tier_rank.get(h.tier, 99)))
+        head = heads[pick_tier({t: h.deadline_ms for t, h in heads.items()}, self.tiers_by_rank)]
         await self._preempt_for(head.tier, head.deadline_ms, head.prompt_tokens, claimed=False)
 
     async def _preempt_for(self, tier: str, deadline_ms: int, prompt_tokens: int, claimed: bool = True) -> None:
@@ -199,13 +201,7 @@ class WorkerRuntime:
         Called for the head of the streams while the worker is full, and for each
         request as it is claimed: the engine gives its step budget to the prompts it
         already runs before a newcomer, whatever their priorities."""
-        running = [Running(rid, self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids),
-                           req.preemptions) for rid, req in self._computing()]
-        waiting = Waiting(self.tier_rank.get(tier, 99), deadline_ms, prompt_tokens)
-        victims = choose_victims(self.preemption, running, waiting, now_ms(), self.tokens_per_s(), claimed)
-        if victims:
-            self.shield = Shield(waiting.tier_rank, deadline_ms).merged(self.shield)
-        for victim in victims:
+        for victim in self.victims_for(tier, deadline_ms, prompt_tokens, claimed):
             log.info("preempting %s for a %s request due in %d ms", victim, tier, deadline_ms - now_ms())
             self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
                                for_tier=tier)
@@ -213,6 +209,23 @@ class WorkerRuntime:
             self.preempting.add(task)
             self.cancel(task)
             await self.engine.abort(victim)
+
+    def victims_for(self, tier: str, deadline_ms: int, prompt_tokens: int, claimed: bool = True) -> list[str]:
+        """The prompts to abort for a request of `tier` (scheduler.preemption.victims), in abort order;
+        when there are any, the worker shields the request's tiers (scheduler.claiming.ClaimShield)."""
+        computing = list(self._computing())
+        rank = self.tier_rank.get(tier, 99)
+        chosen = victims(self.preemption,
+                         [(self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids), req.preemptions)
+                          for _rid, req in computing],
+                         Waiting(rank, deadline_ms, prompt_tokens), now_ms(), self.tokens_per_s, claimed)
+        if chosen:
+            self.claims.preempted_for(rank, deadline_ms)
+        return [computing[i][0] for i in chosen]
+
+    def computing_ranks(self):
+        """Tier ranks of the prompts this worker's engine computes (what keeps a shield up)."""
+        return (self.tier_rank.get(req.tier, 99) for _rid, req in self._computing())
 
     def _computing(self):
         """(request id, request) of the prompts this worker's engine is computing and may preempt:
@@ -223,11 +236,8 @@ class WorkerRuntime:
 
     def _claimable_tiers(self) -> tuple[str, ...] | None:
         """The tiers the next claim may take from (None = all): those a recent preemption shields."""
-        limit = self.shield.limit(now_ms()) if self.shield is not None else None
-        if limit is None:
-            self.shield = None
-            return None
-        return tuple(self.tiers_by_rank[: limit + 1])
+        limit = self.claims.max_rank(now_ms())
+        return None if limit is None else tuple(self.tiers_by_rank[: limit + 1])
 
     def cancel(self, task: asyncio.Task) -> None:
         """Cancel a request's task (preemption, hand-back, the client's cancel).
@@ -323,7 +333,7 @@ class WorkerRuntime:
                         await self._maybe_preempt()
                     except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                         log.warning("preemption check failed: %s", exc)
-                    await _wait_any(room, self.stopping, timeout=0.05)  # re-check heads at 20 Hz while full
+                    await _wait_any(room, self.stopping, timeout=RECHECK_S)  # re-check the heads while full
                 else:
                     await _wait_any(room, self.stopping, timeout=1.0)
                 continue
@@ -343,34 +353,57 @@ class WorkerRuntime:
                 await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
                 continue
             if claimed is None:
-                if tiers is not None:  # only other tiers' entries may be waiting: re-check soon
-                    if self.shield is not None and self.shield.lifts(
-                            self.tier_rank.get(req.tier, 99) for _rid, req in self._computing()):
-                        self.shield = None
-                    else:
-                        await _wait_any(room, self.stopping, timeout=0.05)
+                # Only other tiers' entries may be waiting: claim any tier at once if the shield lifts,
+                # else look again soon.
+                if tiers is not None and not self.claims.found_nothing(self.computing_ranks()):
+                    await _wait_any(room, self.stopping, timeout=RECHECK_S)
                 continue
             if self.preemption.enabled and needs_prefill(claimed.message):  # it will compete for the step budget
                 req = _request_of(claimed.message)
                 await self._preempt_for(req.tier, req.deadline_ms, len(req.prompt_token_ids))
             self._start(claimed, room)
 
+    def _hold(self, claimed: Claimed, task: asyncio.Task) -> None:
+        """Count a claimed request as held: what the claim rule and preemption see (scheduler/claiming.py)."""
+        req = _request_of(claimed.message)
+        tokens = len(req.prompt_token_ids)
+        self.prompt_tokens_in_flight += tokens
+        if self.role == "decode" and needs_prefill(claimed.message):
+            self.local_prefills[req.request_id] = tokens
+        self.in_flight[req.request_id] = (task, claimed)
+
+    async def _cancel_if_tombstoned(self, rid: str, task: asyncio.Task) -> None:
+        try:
+            if await self.redis.exists(self.keys.cancelled(rid)):
+                log.info("%s was cancelled while queued; dropping it", rid)
+                self.cancel(task)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            pass  # the request's own Redis calls meet the same outage and fail it visibly
+
+    def _release(self, rid: str, task: asyncio.Task, tokens: int) -> None:
+        """A request's task has ended (done, failed, cancelled, preempted, handed back): it is held no more."""
+        # A requeued request may already be claimed again (same id, a new task): leave its entries.
+        if self.in_flight.get(rid, (None,))[0] is task:
+            self.in_flight.pop(rid)
+            self.local_prefills.pop(rid, None)
+        self.prompt_tokens_in_flight -= tokens
+
     def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
         rid = _request_of(claimed.message).request_id
         tokens = len(_request_of(claimed.message).prompt_token_ids)
-        self.prompt_tokens_in_flight += tokens
-        if self.role == "decode" and needs_prefill(claimed.message):
-            self.local_prefills[rid] = tokens
         observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
 
         async def guarded() -> None:
             me = asyncio.current_task()
+            assert me is not None
+            # Was it cancelled while queued (the gateway's tombstone)? A prefill waits for the answer:
+            # what it makes (KV blocks, a handle) outlives it. A decode asks beside its first steps,
+            # saving every request a round trip before its first token: all it makes goes to the
+            # client, so a yes cancels it as a cancel message would, before it has done more than start.
+            tombstone = asyncio.create_task(self._cancel_if_tombstoned(rid, me))
             try:
-                if await self.redis.exists(self.keys.cancelled(rid)):
-                    log.info("skip %s: cancelled while queued", rid)
-                    self.timeline.emit(rid, "cancelled", phase="queued")
-                    await self.queues.ack(claimed)
-                    return
+                if self.role == "prefill":
+                    await asyncio.shield(tombstone)
                 if self._too_late(claimed):
                     self.counters["dropped_late"] += 1
                     log.info("drop %s: still queued %d ms past its deadline", rid,
@@ -401,18 +434,14 @@ class WorkerRuntime:
                 self.counters["failed"] += 1
                 await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
             finally:
+                tombstone.cancel()
                 self.preempting.discard(me)
                 self.handing_back.discard(me)
                 self.cancel_requested.discard(me)
-                # A requeued request may already be claimed again (same id, a new task): leave its entries.
-                if self.in_flight.get(rid, (None,))[0] is me:
-                    self.in_flight.pop(rid)
-                    self.local_prefills.pop(rid, None)
-                self.prompt_tokens_in_flight -= tokens
+                self._release(rid, me, tokens)
                 room.set()
 
-        task = asyncio.create_task(guarded(), name=f"{self.role}:{rid}")
-        self.in_flight[rid] = (task, claimed)
+        self._hold(claimed, asyncio.create_task(guarded(), name=f"{self.role}:{rid}"))
 
     async def fail(self, claimed: Claimed, status: int, message: str, code: str | None = None,
                    dead_letter: bool = True) -> None:

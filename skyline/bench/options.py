@@ -1,7 +1,7 @@
 """`skyline bench run` options, and the --quick / full presets (argparse only: cheap to import).
 
 Options left unset take the preset's value: the full run by default, or the
-quick one with --quick. The full run is what the README's figures use; the
+quick one with --quick. The full run is what BENCHMARKS.md's figures use; the
 quick run finishes in under 10 minutes on a 2-core CPU machine.
 """
 

@@ -1,9 +1,15 @@
 """`skyline bench overhead`: what the fleet itself costs, with engines that cost nothing.
 
 Starts Redis, a gateway and 1 prefill + 1 decode worker on the `sim` engine
-with every timing set to zero, then measures from a client on the same machine:
-  1. added latency: sequential requests, client-side TTFT (= gateway +
-     Redis + both workers' handling, since the engines take no time), p50/p99;
+with every timing set to zero, and beside it the baseline: vLLM's own OpenAI
+server over an engine that answers at once (skyline/bench/instant_vllm.py).
+Then, from a client on the same machine:
+  1. added latency: sequential streamed requests (completions and chat), the
+     two servers taking turns in rounds so that drift of this shared machine
+     hits both alike. Skyline's client-side TTFT minus the baseline's is what
+     the fleet adds over `vllm serve` (gateway + Redis + both workers + relay);
+     the gateway's own breakdown of its TTFT comes from the responses'
+     `skyline.gateway_timings`;
   2. throughput: C concurrent streaming clients for D seconds: requests/s and
      streamed tokens/s through one gateway.
 Everything (client included) shares this machine's cores, as a real
@@ -16,6 +22,9 @@ import asyncio
 import json
 from collections import Counter
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +33,7 @@ import httpx
 
 from skyline.bench.client import percentile, stream_completion
 from skyline.bench.simfleet import SimFleet
+from skyline.redis_server import free_port
 
 SIM_TIMING = """
 [engine]
@@ -49,14 +59,74 @@ def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[SimFleet, str]:
     return fleet, fleet.url
 
 
-async def _latency(url: str, n: int) -> dict:
+def _start_baseline(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server over the instant engine (skyline/bench/instant_vllm.py)."""
+    port = free_port()
+    log = open(workdir / "instant-vllm.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "skyline.bench.instant_vllm", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    _stop(proc)
+    raise RuntimeError(f"the baseline vLLM server did not come up; see {workdir / 'instant-vllm.log'}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+PROMPT = "How long does the fleet itself take?"
+REQUESTS = {
+    "completions": ("/v1/completions", {"model": "skyline-sim", "prompt": PROMPT, "max_tokens": 1}),
+    "chat": ("/v1/chat/completions",
+             {"model": "skyline-sim", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}),
+}
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return None if not values else round(percentile(values, q), 3)
+
+
+async def _latency(urls: dict[str, str], n: int, rounds: int = 6) -> dict:
+    """Per endpoint, each system's client-side TTFT; the systems take turns, `n / rounds` requests a turn."""
+    out: dict = {}
     async with httpx.AsyncClient(timeout=30) as client:
-        body = {"model": "skyline-sim", "prompt": "How long does the fleet itself take?", "max_tokens": 1}
-        for _ in range(20):  # warm-up: connections, code paths
-            await stream_completion(client, f"{url}/v1/completions", body)
-        recs = [await stream_completion(client, f"{url}/v1/completions", body) for _ in range(n)]
-    ttfts = [r.ttft_s * 1000 for r in recs if r.ok]
-    return {"requests": n, "ok": len(ttfts), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99)}
+        for kind, (path, body) in REQUESTS.items():
+            ttfts: dict[str, list[float]] = {name: [] for name in urls}
+            breakdown: list[dict] = []
+            for name, url in urls.items():  # warm-up: connections, code paths
+                for _ in range(20):
+                    await stream_completion(client, url + path, body)
+            for _ in range(rounds):
+                for name, url in urls.items():
+                    for _ in range(max(1, n // rounds)):
+                        rec = await stream_completion(client, url + path, body)
+                        if rec.ok:
+                            ttfts[name].append(rec.ttft_s * 1000)
+                            if name == "skyline":
+                                breakdown.append(rec.skyline.get("gateway_timings") or {})
+            res = {name: {"ok": len(v), "ttft_p50_ms": _ms(v, 50), "ttft_p99_ms": _ms(v, 99)}
+                   for name, v in ttfts.items()}
+            if "vllm" in res and res["vllm"]["ok"] and res["skyline"]["ok"]:
+                res["added_ttft_p50_ms"] = round(res["skyline"]["ttft_p50_ms"] - res["vllm"]["ttft_p50_ms"], 3)
+            res["skyline"]["gateway_p50_ms"] = {
+                k: _ms([b[k] for b in breakdown if b.get(k) is not None], 50)
+                for k in ("render_ms", "enqueue_ms", "fleet_first_token_ms")}
+            out[kind] = res
+    return out
 
 
 async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens: int) -> dict:
@@ -89,23 +159,33 @@ async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens:
 
 
 def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, max_tokens: int = 256,
-        decode_step_ms: float = 0.0) -> dict:
+        decode_step_ms: float = 0.0, baseline: bool = True) -> dict:
     """`decode_step_ms` > 0 makes the sim engine emit one token per sequence per step, so
     every frame carries one token: the fleet's per-message cost instead of its batching."""
     with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp:
         fleet, url = _start_fleet(Path(tmp), decode_step_ms / 1000.0)
+        base = None
         try:
+            urls = {"skyline": url}
+            if baseline:
+                base, urls["vllm"] = _start_baseline(Path(tmp))
             result = {
                 "machine": {"cpus": os.cpu_count()},
                 "sim_decode_step_ms": decode_step_ms,
-                "added_latency": asyncio.run(_latency(url, n_latency)),
-                "throughput": asyncio.run(_throughput(url, concurrency, duration_s, max_tokens)),
+                "added_latency": asyncio.run(_latency(urls, n_latency)),
             }
+            if base is not None:
+                _stop(base)  # the throughput phase is the fleet's alone
+                base = None
+            result["throughput"] = asyncio.run(_throughput(url, concurrency, duration_s, max_tokens))
         finally:
+            if base is not None:
+                _stop(base)
             fleet.stop()
     return result
 
 
 def main(args) -> None:
-    result = run(args.requests, args.concurrency, args.duration, args.max_tokens, args.decode_step_ms)
+    result = run(args.requests, args.concurrency, args.duration, args.max_tokens, args.decode_step_ms,
+                 baseline=not args.no_baseline)
     print(json.dumps(result, indent=2))

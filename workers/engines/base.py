@@ -22,6 +22,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     priority: int = 0  # vLLM semantics: lower value = scheduled first
+    cache_salt: str | None = None  # vLLM's prefix-cache salt (TokensPrompt.cache_salt)
 
 
 @dataclass

@@ -309,7 +309,9 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority)
+        # The same salt: the n sequences that follow must find these blocks in the prefix cache.
+        pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority,
+                             req.cache_salt)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"kv_transfer_params": handle})
         loaded = 0
@@ -326,11 +328,14 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("engine not started")
         self._in_flight.add(req.request_id)
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
         try:
             # vLLM appends a random suffix to make its internal request id; the
             # id given here stays the external id, which abort() accepts.
             async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params, req.request_id,
+                prompt, params, req.request_id,
                 # vLLM rejects a non-zero priority under the fcfs policy.
                 priority=req.priority if self.scheduling_policy == "priority" else 0,
             ):
