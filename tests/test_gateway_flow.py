@@ -200,7 +200,8 @@ def test_failed_frame_becomes_http_error(fleet):
         fut.result()
 
 
-def test_failure_mid_stream_is_an_sse_error(fleet):
+def _chat_failing_mid_stream(fleet, send_frames) -> None:
+    """A streamed chat whose worker sends "par" then fails: the text arrives, then the error."""
     _gw, client, worker, pool = fleet
     got: list[str] = []
 
@@ -211,35 +212,27 @@ def test_failure_mid_stream_is_an_sse_error(fleet):
 
     fut = pool.submit(run)
     _f, msg = worker.take("prefill")
-    worker.send(messages.TokenDelta(msg.request_id, 0, 0, [1], "par"))
-    worker.send(messages.Failed(msg.request_id, 1, 502, "decode worker died", "server_error"))
+    send_frames(worker, messages.TokenDelta(msg.request_id, 0, 0, [1], "par"),
+                messages.Failed(msg.request_id, 1, 502, "decode worker died", "server_error"))
     with pytest.raises(openai.APIError) as ei:
         fut.result()
     assert "decode worker died" in str(ei.value) and "".join(got) == "par"
+
+
+def test_failure_mid_stream_is_an_sse_error(fleet):
+    _chat_failing_mid_stream(fleet, lambda worker, *frames: worker.send(*frames))
 
 
 def test_tokens_before_a_failure_in_one_batch_still_reach_the_stream(fleet):
     # Both frames in one MULTI/EXEC: the gateway reads them in one batch. The text that came
     # before the failure is sent, then the error (a 200 stream ending in an error event).
-    _gw, client, worker, pool = fleet
-    got: list[str] = []
+    def in_one_batch(worker, *frames):
+        with worker.r.pipeline(transaction=True) as pipe:
+            for f in frames:
+                pipe.publish(worker.keys.tokens(f.request_id), messages.encode(f))
+            pipe.execute()
 
-    def run():
-        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}],
-                                                    stream=True):
-            got.append(chunk.choices[0].delta.content or "")
-
-    fut = pool.submit(run)
-    _f, msg = worker.take("prefill")
-    channel = worker.keys.tokens(msg.request_id)
-    with worker.r.pipeline(transaction=True) as pipe:
-        pipe.publish(channel, messages.encode(messages.TokenDelta(msg.request_id, 0, 0, [1], "par")))
-        pipe.publish(channel, messages.encode(messages.Failed(msg.request_id, 1, 502, "decode worker died",
-                                                              "server_error")))
-        pipe.execute()
-    with pytest.raises(openai.APIError) as ei:
-        fut.result()
-    assert "decode worker died" in str(ei.value) and "".join(got) == "par"
+    _chat_failing_mid_stream(fleet, in_one_batch)
 
 
 def _wait_cancel(pubsub, timeout_s: float = 5.0) -> messages.Cancel:
