@@ -174,9 +174,11 @@ def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> Non
         live = twin.pick()
         item = real_claim(w, q, held)
         sim = item[0] if item else None
-        assert sim is live, f"claims differ at {w.sim.loop.now:.3f} s: simulated {sim and _rid(sim)}, live {live and _rid(live)}"
+        assert sim is live, (f"claims differ at {w.sim.loop.now:.3f} s: simulated {sim and _rid(sim)}, "
+                             f"live {live and _rid(live)}")
         log.append(("claim", _rid(live) if live else None))
-        if item is not None and item[1] is not None:  # decode work with a KV handle: no prompt to compute here
+        # Decode work with a KV handle: no prompt to compute here (no handle in these runs is old enough to expire).
+        if item is not None and item[1] is not None:
             twin.hold(item[0], kv=True)
         return item
 
@@ -240,7 +242,8 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
         _request(3, "interactive", 0.003, 200),  # the worker is full (2,300 tokens): preempts, shields
         _request(4, "standard", 0.004, 100),  # shielded: waits while the interactive prompt computes
         _request(5, "interactive", 3.0, 120), _request(6, "batch", 3.001, 1900), _request(7, "standard", 3.002, 150),
-        _request(8, "interactive", 3.003, 400), _request(9, "interactive", 3.004, 300), _request(10, "batch", 3.005, 50),
+        _request(8, "interactive", 3.003, 400), _request(9, "interactive", 3.004, 300),
+        _request(10, "batch", 3.005, 50),
         _request(11, "standard", 3.006, 1000), _request(12, "interactive", 3.007, 600, ttft_ms=700),
         _request(13, "standard", 3.3, 900), _request(14, "batch", 3.301, 700), _request(15, "interactive", 3.302, 500),
     ]

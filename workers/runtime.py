@@ -215,10 +215,10 @@ class WorkerRuntime:
         when there are any, the worker shields the request's tiers (scheduler.claiming.ClaimShield)."""
         computing = list(self._computing())
         rank = self.tier_rank.get(tier, 99)
-        chosen = victims(self.preemption,
-                         [(self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids), req.preemptions)
-                          for _rid, req in computing],
-                         Waiting(rank, deadline_ms, prompt_tokens), now_ms(), self.tokens_per_s, claimed)
+        held = [(self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids), req.preemptions)
+                for _rid, req in computing]
+        chosen = victims(self.preemption, held, Waiting(rank, deadline_ms, prompt_tokens), now_ms(), self.tokens_per_s,
+                         claimed)
         if chosen:
             self.claims.preempted_for(rank, deadline_ms)
         return [computing[i][0] for i in chosen]
