@@ -221,7 +221,7 @@ def _interrupt(*_args) -> None:
 def _stopping() -> None:
     # Once stopping, a second Ctrl-C (an impatient user; `timeout` forwarding its SIGINT to the
     # group) must not break off the orderly stop: that would leave Redis running with a traceback.
-    # _stop_all ends within 30 s anyway (then SIGKILL).
+    # _stop_all ends within its bounds anyway (then SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -303,7 +303,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         return 0
     finally:
         _stopping()
-        _stop_all(children)
+        _stop_all(children, cfg.worker.drain_timeout_s)
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
@@ -318,16 +318,21 @@ def _show_death(child: Child, console: Console, verbose: bool) -> None:
         console.line("\n".join(f"{child.name:>10} | {line}" for line in tail(child.log)))
 
 
-def _stop_all(children: list[Child]) -> None:
-    # Workers first (they drain and deregister), the gateway last.
+def _stop_all(children: list[Child], drain_timeout_s: float) -> None:
+    # Workers first (they drain and deregister), the gateway last. A worker may take its drain
+    # bound and then some (workers/runtime.py ends itself past that, logging where it hung);
+    # only what outlives that gets SIGKILL, and the terminal says so.
     for child in sorted(children, key=lambda c: c.role == "gateway"):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
+    t0 = time.monotonic()
     for child in children:
+        limit_s = 30.0 if child.role in ("gateway", "batch") else drain_timeout_s + 60
         try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            child.proc.wait(timeout=max(0.1, t0 + limit_s - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"skyline up: {child.name} did not stop within {limit_s:.0f} s of SIGTERM; killing it "
+                  f"(its log: {child.log})", file=sys.stderr, flush=True)
             os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
     for child in children:  # their last lines (how they stopped) reach their log files

@@ -132,11 +132,13 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
     # (each process's whole output is in its log file, its start-up and its shutdown included).
     shutdown = "".join(term.lines[end:]) + "".join((logs / f"{n}.log").read_text() for n in PROCESSES)
     assert "Connection refused" not in shutdown and "lost Redis" not in shutdown, shutdown[-3000:]
+    assert "did not stop within" not in shutdown, shutdown[-6000:]  # neither killed nor ended by its watchdog
     assert not _port_open(gw_port) and not _port_open(redis_port), "something `up` started is still running"
     assert "INFO skyline.gateway: gateway serving" in (logs / "gateway.log").read_text()
     for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         worker_log = (logs / f"{name}.log").read_text()
         assert re.search(r"INFO skyline.worker: worker \S+ ready", worker_log), worker_log[-2000:]
+        assert re.search(r"INFO skyline.worker: worker \S+ stopping \(SIGTERM\)", worker_log), worker_log[-2000:]
         assert re.search(r"INFO skyline.worker: worker \S+ stopped", worker_log), worker_log[-2000:]
     assert "INFO skyline.batch: batch runner" in (logs / "batch.log").read_text()
     assert (logs / "redis.log").stat().st_size > 0

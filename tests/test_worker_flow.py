@@ -201,3 +201,27 @@ async def test_a_colocated_prompt_leaves_the_backlog_at_its_first_token(fleet):
             await asyncio.sleep(0.01)
     assert int(await client.hget(keys.backlog, field)) == 0  # released once, not again at the ack
     await pubsub.aclose()
+
+
+def test_a_worker_whose_stop_hangs_ends_itself_and_logs_where():
+    # The stop watchdog (workers/runtime.py): a stop that never completes ends the process with
+    # status 1 and every task's and thread's stack in the log, instead of waiting for a SIGKILL
+    # that leaves nothing to read.
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio\n"
+        "from skyline.workers.runtime import _StopWatchdog\n"
+        "async def hangs_forever():\n"
+        "    await asyncio.Event().wait()\n"
+        "async def main():\n"
+        "    _StopWatchdog(asyncio.get_running_loop(), 0.2).start()\n"
+        "    await hangs_forever()\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert "did not stop within 0 s of the signal" in done.stderr
+    assert "hangs_forever" in done.stderr  # the task's stack: where it hung
+    assert "stop-watchdog" in done.stderr or "Thread 0x" in done.stderr  # the threads' stacks

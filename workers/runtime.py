@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -113,7 +116,7 @@ class WorkerRuntime:
         if install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stopping.set)
+                loop.add_signal_handler(sig, self._stop_requested, sig)
         for hook in self.on_start:
             hook()
         await self._beat()
@@ -125,15 +128,27 @@ class WorkerRuntime:
         finally:
             for t in side:
                 t.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            # Each step of the way out is bounded: a stop that hangs on one of them would hold the
+            # process until its supervisor's SIGKILL, with nothing in the log to say where it hung.
+            await _bounded("the side tasks", asyncio.gather(*side, return_exceptions=True))
             try:
-                await deregister(self.redis, self.keys, self.worker_id)
+                await _bounded("deregistering", deregister(self.redis, self.keys, self.worker_id))
             except (RedisConnectionError, RedisTimeoutError):
                 pass
-            await self.engine.shutdown()
-            await self.timeline.flush()
-            await self.redis.aclose()
+            await _bounded("the engine's shutdown", self.engine.shutdown())
+            await _bounded("the timeline's last writes", self.timeline.flush())
+            await _bounded("closing Redis", self.redis.aclose())
             log.info("worker %s stopped", self.worker_id)
+
+    def _stop_requested(self, sig: signal.Signals) -> None:
+        """SIGTERM/SIGINT: stop claiming and drain; a watchdog ends the process if the stop never completes."""
+        if self.stopping.is_set():
+            return
+        log.info("worker %s stopping (%s): %d request(s) held", self.worker_id, sig.name, len(self.in_flight))
+        self.stopping.set()
+        # Drain, then up to 10 s handing back, then the bounded steps of the way out.
+        limit_s = self.cfg.worker.drain_timeout_s + 10 + len(EXIT_STEPS) * EXIT_STEP_S + 5
+        _StopWatchdog(asyncio.get_running_loop(), limit_s).start()
 
     async def _drain(self) -> None:
         """Graceful scale-in: let held requests finish (bounded by `drain_timeout_s`),
@@ -501,6 +516,51 @@ class WorkerRuntime:
 
 def _request_of(msg: messages.Message) -> messages.GenerateRequest:
     return msg.request if isinstance(msg, messages.DecodeWork) else msg  # type: ignore[return-value]
+
+
+EXIT_STEPS = 5  # the awaited steps after the drain, each bounded by EXIT_STEP_S
+EXIT_STEP_S = 5.0
+
+
+async def _bounded(what: str, step: Awaitable) -> None:
+    try:
+        await asyncio.wait_for(step, EXIT_STEP_S)
+    except asyncio.TimeoutError:
+        log.warning("stopping: %s took over %.0f s; going on without it", what, EXIT_STEP_S)
+
+
+class _StopWatchdog(threading.Thread):
+    """Ends a worker whose stop has not completed in `limit_s`: logs every asyncio task's stack
+    and every thread's (where it hung), then exits with status 1. A thread, so a blocked event
+    loop cannot hold it up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit_s: float):
+        super().__init__(name="stop-watchdog", daemon=True)
+        self.loop, self.limit_s = loop, limit_s
+
+    def run(self) -> None:
+        time.sleep(self.limit_s)
+        log.error("worker did not stop within %.0f s of the signal; exiting (stacks follow)", self.limit_s)
+        try:
+            self.loop.call_soon_threadsafe(_print_task_stacks)
+        except RuntimeError:
+            pass  # the loop is closed: the thread stacks below say the rest
+        time.sleep(1.0)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _print_task_stacks() -> None:
+    # Each task's chain of awaits, outermost first: the last line is where it waits.
+    for task in asyncio.all_tasks():
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        coro = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=sys.stderr)
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
