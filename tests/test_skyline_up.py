@@ -68,7 +68,7 @@ class Terminal:
 
     def ctrl_c(self) -> int:
         os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's foreground group
-        rc = self.proc.wait(timeout=60)
+        rc = self.proc.wait(timeout=120)
         self.reader.join(timeout=10)
         return rc
 
@@ -79,7 +79,9 @@ PROCESSES = ["redis", "gateway", "prefill-0", "prefill-1", "decode-0", "decode-1
 def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
     gw_port, redis_port = free_port(), free_port()
     (tmp_path / "keys.txt").write_text(API_KEY + "\n")
-    (tmp_path / "cfg.toml").write_text(f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n')
+    # A short drain bound: a worker whose stop hangs ends itself (its watchdog logs where) well within ctrl_c's wait.
+    (tmp_path / "cfg.toml").write_text(f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n'
+                                       '[worker]\ndrain_timeout_s = 5.0\n')
     term = Terminal(["--prefill", "2", "--decode", "2", "--port", str(gw_port), "--redis-port", str(redis_port),
                      "--metrics-port-base", "0", "--config", str(tmp_path / "cfg.toml")], tmp_path)
     try:
