@@ -1,8 +1,8 @@
 """The gateway's side of admission control: gather the fleet's load, ask the policy, act.
 
 The decision itself is `skyline.scheduler.admission.decide` (pure: `admit` with the
-calibration's scale; `demoted`, `learn_ttft`, `pool_rate`, `stage_of` and
-`policy_of` live there too, shared with the simulator). Here: the
+calibration's scale; `demoted`, `learn_ttft`, `pool_rate` and `stage_of` live there too, shared
+with the simulator; the policy's numbers are `SkylineConfig.admission_policy()`). Here: the
 backlog comes from the `skyline:backlog` hash, read in the same transaction
 that reserves this request's tokens (so a burst sees itself), the measured
 prefill throughput from the heartbeats the FleetView caches, and the scale
@@ -17,17 +17,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from skyline import messages
-from skyline.config import SkylineConfig
+from skyline.core import messages
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.streams import release_backlog, reserve_backlog
 from skyline.gateway.errors import ApiError
 from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
-from skyline.keys import Keys
 from skyline.scheduler.admission import (
     AdmissionPolicy, TtftCalibration, decide, demoted, learn_ttft, pool_rate, stage_of,
 )
-from skyline.streams import release_backlog, reserve_backlog
 
 
 async def apply_admission(

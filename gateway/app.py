@@ -29,8 +29,10 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline import redisconn
-from skyline.config import SkylineConfig
+from skyline.core import redisconn
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.streams import ensure_groups, now_ms
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
 from skyline.gateway.dispatch import Dispatcher
@@ -43,10 +45,8 @@ from skyline.gateway.openai_api import Frontend, build_frontend
 from skyline.gateway.prepare import Serving, check_auth, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter
 from skyline.gateway.relay import Relay
-from skyline.keys import Keys
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
-from skyline.streams import ensure_groups, now_ms
 
 log = logging.getLogger("skyline.gateway")
 

@@ -30,16 +30,16 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from skyline.gateway.errors import ApiError
-from skyline.gateway.prepare import json_body
 from skyline.gateway.prepare import check_auth
+from skyline.gateway.prepare import json_body
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from skyline.batch import jobs, jsonl
 from skyline.batch.objects import COMPLETION_WINDOWS
 from skyline.batch.store import BatchStore, new_batch_id
-from skyline.config import SkylineConfig
-from skyline.keys import Keys
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
 
 MULTIPART_OVERHEAD = 64 * 1024  # form framing and the other fields around the file
 CLAIM_MARGIN_S = 30  # a line's claim outlives the gateway's own request timeout by this much

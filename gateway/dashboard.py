@@ -24,10 +24,10 @@ from typing import Any
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
 
-from skyline.config import SkylineConfig
-from skyline.keys import Keys
-from skyline.slo_record import attainment, by_minute, read_minutes, read_recent, slowest
-from skyline.status import read_streams
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.queues import read_streams
+from skyline.core.slo_record import attainment, by_minute, read_minutes, read_recent, slowest
 
 PAGE = Path(__file__).with_name("dashboard.html")
 WINDOW_MINUTES = 15  # charts span this many minutes

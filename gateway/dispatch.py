@@ -17,8 +17,10 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from skyline import messages
-from skyline.config import SkylineConfig
+from skyline.core import messages
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.streams import enqueue, now_ms, release_backlog
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.gateway.fleetview import START_HINT, FleetView
@@ -27,10 +29,8 @@ from skyline.gateway.observe import GatewayObserver
 from skyline.gateway.prepare import Prepared, Serving, needed_roles
 from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
-from skyline.keys import Keys
-from skyline.scheduler.admission import TtftCalibration, policy_of, stage_of
+from skyline.scheduler.admission import TtftCalibration, stage_of
 from skyline.scheduler.disagg import route
-from skyline.streams import enqueue, now_ms, release_backlog
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Dispatcher:
     background: set[asyncio.Task] = field(default_factory=set)  # cancel publishes in flight
 
     def __post_init__(self) -> None:
-        self.admission_policy = policy_of(self.cfg)
+        self.admission_policy = self.cfg.admission_policy()
 
     async def submit(self, prep: Prepared) -> Session:
         """Check the fleet can serve the request, subscribe to its output, enqueue it."""

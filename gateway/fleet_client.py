@@ -31,7 +31,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from skyline import messages
+from skyline.core import messages
 from skyline.gateway.dispatch import Dispatcher
 from skyline.gateway.errors import ApiError, from_vllm
 from skyline.gateway.outputs import OutputAssembler

@@ -16,9 +16,9 @@ from collections import Counter
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from skyline.fleet import WorkerInfo, list_workers
-from skyline.keys import Keys
-from skyline.streams import queued_tokens
+from skyline.core.fleet import WorkerInfo, list_workers
+from skyline.core.keys import Keys
+from skyline.core.streams import queued_tokens
 
 log = logging.getLogger("skyline.gateway.fleet")
 

@@ -11,7 +11,7 @@ met / (met + missed) is the attainment `skyline bench` reports.
 The `skyline_queue_*` and `skyline_fleet_*` gauges describe the whole fleet,
 read from Redis at scrape time (one pipelined round trip): with several
 gateways each exports the same values (aggregate with max, not sum).
-Workers export their own metrics on their own port (workers/metrics.py).
+Workers export their own metrics on their own port (workers/endpoint.py, workers/observe.py).
 """
 
 from __future__ import annotations
@@ -19,28 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
 
-from skyline.keys import Keys
-from skyline.status import read_streams
+from skyline.core.keys import Keys
+from skyline.core.queues import read_streams
+from skyline.core.timeline import TimelineErrors
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-
-class TimelineErrors(Collector):
-    """`skyline_timeline_write_errors_total`: events lost because Redis did not take them
-    (read from the process's recorder at scrape time; recording never fails a request)."""
-
-    def __init__(self, dropped: Callable[[], int]):
-        self.dropped = dropped
-
-    def collect(self):
-        c = CounterMetricFamily("skyline_timeline_write_errors", "Timeline events and SLO records lost to Redis errors")
-        c.add_metric([], self.dropped())
-        yield c
 
 
 class GatewayMetrics:

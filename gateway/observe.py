@@ -2,9 +2,9 @@
 
 The gateway sees a request arrive, get admitted (or refused) and enqueued,
 and sees the client's side of the end: latencies, status, cancellation. It
-records those as timeline events (`skyline.timeline`), counts one SLO
+records those as timeline events (`skyline.core.timeline`), counts one SLO
 verdict per request (`GatewayMetrics.verdict`), and adds the outcome to the
-fleet's rolling SLO record in Redis (`skyline.slo_record`). The workers
+fleet's rolling SLO record in Redis (`skyline.core.slo_record`). The workers
 record what happens in between. Everything here is best-effort: a failure
 is logged and counted, never raised into a request.
 """
@@ -23,15 +23,14 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline import messages
-from skyline.config import SkylineConfig
+from skyline.core import messages
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.slo_record import Outcome, SloRecorder
+from skyline.core.timeline import Timeline, key_digest, now_ms, phase_durations, read_timeline, requester_of
 from skyline.gateway.errors import ApiError
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared, check_auth
-from skyline.keys import Keys
-from skyline.slo_record import Outcome, SloRecorder
-from skyline.timeline import Timeline, key_digest, now_ms, read_timeline, requester_of
-from skyline.trace import phase_durations
 
 log = logging.getLogger("skyline.gateway")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyline.config import SkylineConfig
+from skyline.core.config import SkylineConfig
 
 log = logging.getLogger("skyline.gateway")
 

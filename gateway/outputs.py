@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyline import logprobs, messages
+from skyline.core import logprobs, messages
 
 
 @dataclass

@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from skyline.config import SkylineConfig
-from skyline.messages import GenerateRequest, SamplingSpec
+from skyline.core.config import SkylineConfig
+from skyline.core.messages import GenerateRequest, SamplingSpec
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.tiers import Slo, SloError, resolve_slo
 

@@ -9,7 +9,7 @@ of Redis connections and reader tasks.
 Guarantees the rest of the gateway relies on:
 - `subscribe()` returns only after Redis confirmed the subscription, so the
   request can be enqueued knowing that no frame a worker publishes is lost.
-- Frames are decoded here (`skyline.messages.decode`); a TokenDelta/Finished
+- Frames are decoded here (`skyline.core.messages.decode`); a TokenDelta/Finished
   whose `seq` is not newer than the last one seen is a duplicate (a worker
   re-published after a reclaim) and is dropped. Failed frames always pass.
 - If the connection breaks, every in-flight request receives a Failed frame
@@ -30,10 +30,10 @@ import logging
 import os
 import time
 
-from skyline import messages
-from skyline.config import RedisConfig
-from skyline.keys import Keys
-from skyline.redisconn import Endpoint, describe, pubsub_endpoints
+from skyline.core import messages
+from skyline.core.config import RedisConfig
+from skyline.core.keys import Keys
+from skyline.core.redisconn import Endpoint, describe, pubsub_endpoints
 
 log = logging.getLogger("skyline.gateway.relay")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from skyline.config import SkylineConfig
+from skyline.core.config import SkylineConfig
 from skyline.gateway.app import create_app
 
 
@@ -24,6 +24,6 @@ def serve(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len:
         http="httptools",
         access_log=False,
         log_level="info",
-        log_config=None,  # uvicorn's own lines go through Skyline's handler (skyline/logs.py: text or json)
+        log_config=None,  # uvicorn's own lines go through Skyline's handler (skyline/core/logs.py: text or json)
         timeout_graceful_shutdown=10,
     )

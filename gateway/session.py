@@ -19,13 +19,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline import messages
-from skyline.config import GatewayConfig
+from skyline.core import messages
+from skyline.core.config import GatewayConfig
+from skyline.core.keys import Keys
 from skyline.gateway.errors import ApiError
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
 from skyline.gateway.relay import Relay, Subscription
-from skyline.keys import Keys
 
 log = logging.getLogger("skyline.gateway")
 

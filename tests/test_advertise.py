@@ -11,7 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from skyline.advertise import (
+from skyline.core.config import SkylineConfig
+from skyline.core.fleet import list_workers
+from skyline.core.keys import Keys
+from skyline.core.redisconn import parse_redis_url
+from skyline.workers.advertise import (
     AddressError,
     check_advertised,
     gateway_bind_warning,
@@ -20,10 +24,6 @@ from skyline.advertise import (
     resolve_advertise_host,
     with_advertised_addresses,
 )
-from skyline.config import SkylineConfig
-from skyline.fleet import list_workers
-from skyline.keys import Keys
-from skyline.redisconn import parse_redis_url
 
 REMOTE = parse_redis_url("redis://10.20.0.2:6379/0")
 LOCAL = parse_redis_url("redis://127.0.0.1:6399/0")

@@ -23,13 +23,13 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 
-from skyline import messages
-from skyline.bench.driver import Target, run_rate
-from skyline.bench.metrics import summarize
-from skyline.bench.prompts import PromptBuilder
-from skyline.bench.workload import WorkloadSpec, make_requests
-from skyline.keys import Keys
-from skyline.tokenizer import SimTokenizer
+from skyline.core import messages
+from skyline.core.keys import Keys
+from skyline.tools.bench.driver import Target, run_rate
+from skyline.tools.bench.metrics import summarize
+from skyline.tools.bench.prompts import PromptBuilder
+from skyline.tools.bench.tokenizer import SimTokenizer
+from skyline.tools.bench.workload import WorkloadSpec, make_requests
 from tests.fleet import Fleet
 
 MODEL = "skyline-sim"

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from skyline.batch import jsonl
 from skyline.batch.store import BatchStore
-from skyline.keys import Keys
+from skyline.core.keys import Keys
 
 
 def run(coro):

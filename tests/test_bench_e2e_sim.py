@@ -14,8 +14,8 @@ from collections import Counter
 
 import pytest
 
-from skyline.bench.run import Bench
 from skyline.cli import build_parser
+from skyline.tools.bench.run import Bench
 
 SYSTEMS = ["sim-colocated", "sim-disagg"]
 RATES = [2.0, 4.0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skyline.bench.goals import goals, tier_ttft_p99_ms
-from skyline.bench.metrics import goodput
+from skyline.tools.bench.goals import goals, tier_ttft_p99_ms
+from skyline.tools.bench.metrics import goodput
 
 RATES = (0.5, 1.0, 2.0)
 

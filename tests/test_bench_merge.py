@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from skyline.bench.merge import MergeError, merge, select
+from skyline.tools.bench.merge import MergeError, merge, select
 
 
 def part(rates, systems=("vllm-fcfs", "skyline-colocated"), ttft=574.3, attain=1.0):

@@ -7,12 +7,14 @@ import random
 
 import pytest
 
-from skyline.bench.client import RequestRecord, percentile
-from skyline.bench.metrics import format_goodput, goodput, summarize
-from skyline.bench.record import BenchRecord, build_record, tpot
-from skyline.bench.shaping import shape
-from skyline.bench.slo import derive_targets
-from skyline.bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, class_sequence, make_requests
+from skyline.tools.bench.client import RequestRecord
+
+from skyline.core.stats import percentile
+from skyline.tools.bench.metrics import format_goodput, goodput, summarize
+from skyline.tools.bench.record import BenchRecord, build_record, tpot
+from skyline.tools.bench.shaping import shape
+from skyline.tools.bench.slo import derive_targets
+from skyline.tools.bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, class_sequence, make_requests
 
 
 def rec(outcome="ok", ttft=0.1, latency=1.0, out=10, cls="chat", tier="interactive", targets=(200.0, 100.0),
@@ -186,9 +188,9 @@ def test_shaping_per_flavor():
 
 
 def test_prompt_builder_hits_the_target_length():
-    from skyline.bench.corpus import QUESTIONS
-    from skyline.bench.prompts import PromptBuilder
-    from skyline.tokenizer import SimTokenizer
+    from skyline.tools.bench.corpus import QUESTIONS
+    from skyline.tools.bench.prompts import PromptBuilder
+    from skyline.tools.bench.tokenizer import SimTokenizer
 
     b = PromptBuilder(SimTokenizer())
     rng = random.Random(0)

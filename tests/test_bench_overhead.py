@@ -1,7 +1,7 @@
 """`skyline bench overhead` end to end: the fleet against its baseline, vLLM's own server over an instant engine.
 
 Real processes (Redis, gateway, sim workers at zero latency, and
-`skyline.bench.instant_vllm`). Asserts what the report's reader relies on:
+`skyline.tools.bench.instant_vllm`). Asserts what the report's reader relies on:
 both systems answered every request of both endpoints, the added TTFT is the
 difference of the two medians, and the gateway's breakdown of its own TTFT is
 there; and that the baseline is vLLM's server, answering as `vllm serve` does.
@@ -14,7 +14,7 @@ import math
 import httpx
 import pytest
 
-from skyline.bench import overhead
+from skyline.tools.bench import overhead
 
 
 @pytest.fixture(scope="module")

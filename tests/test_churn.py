@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from skyline.bench.churn import ChurnOptions, run
+from skyline.tools.bench.churn import ChurnOptions, run
 
 pytestmark = pytest.mark.faults
 

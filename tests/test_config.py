@@ -1,6 +1,6 @@
 import pytest
 
-from skyline.config import load_config
+from skyline.core.config import load_config
 
 
 def test_defaults_are_consistent():

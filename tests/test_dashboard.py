@@ -6,13 +6,13 @@ the test's tmp dir (and in $SKYLINE_TEST_ARTIFACTS when set).
 """
 
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
 
+from skyline.core import envs
 from tests.cdp import CHROMIUM, Browser
 from tests.fleet import Fleet
 
@@ -63,8 +63,8 @@ async def test_dashboard_renders_live_charts_tables_and_a_timeline(redis_url, ke
             assert page.errors == [], page.errors
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
     check_json_logs(tmp_path)
-    if os.environ.get("SKYLINE_TEST_ARTIFACTS"):
-        out = Path(os.environ["SKYLINE_TEST_ARTIFACTS"])
+    if envs.TEST_ARTIFACTS.is_set():
+        out = Path(envs.TEST_ARTIFACTS.get())
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, out / "dashboard.png")
 

@@ -3,7 +3,7 @@
 Kubernetes objects against the API's JSON schemas (`kubernetes-validate`, which
 ships them), KEDA objects against a vendored minimal schema
 (tests/schemas/keda-v1alpha1.json), and both against the code: stream and group
-names come from skyline/keys.py, metric names from the worker endpoint, every
+names come from skyline/core/keys.py, metric names from the worker endpoint, every
 command line parses with the `skyline` CLI, every option in the ConfigMap loads,
 ports and probes agree. A rename in the code fails here instead of in a cluster.
 """
@@ -19,9 +19,9 @@ import yaml
 from skyline.workers.endpoint import GAUGES
 
 from skyline.cli import build_parser
-from skyline.config import load_config
-from skyline.keys import STAGES, Keys
-from skyline.redisconn import parse_redis_url
+from skyline.core.config import load_config
+from skyline.core.keys import STAGES, Keys
+from skyline.core.redisconn import parse_redis_url
 
 ROOT = Path(__file__).parents[1]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from skyline.keys import Keys
+from skyline.core.keys import Keys
 from tests.fleet import Fleet
 
 pytestmark = pytest.mark.faults

@@ -235,7 +235,7 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
 
     import redis
 
-    from skyline.keys import Keys
+    from skyline.core.keys import Keys
 
     prompt = "Write a long story about a lighthouse keeper and the sea."
     kw = dict(model=MODEL, prompt=prompt, max_tokens=96, temperature=0, extra_body={"ignore_eos": True})

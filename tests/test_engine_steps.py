@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from skyline.bench.engine_steps import describe, summarize
+from skyline.tools.bench.engine_steps import describe, summarize
 from skyline.workers.observe import WorkerMetrics
 
 

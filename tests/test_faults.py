@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis
 
-from skyline.keys import Keys
+from skyline.core.keys import Keys
 from tests.fleet import Fleet
 
 pytestmark = pytest.mark.faults

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from skyline import logprobs, messages as m
+from skyline.core import logprobs, messages as m
 from skyline.gateway.outputs import OutputAssembler
 
 vllm_sampling = pytest.importorskip("vllm.sampling_params")

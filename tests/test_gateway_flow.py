@@ -13,11 +13,11 @@ import openai
 import pytest
 import redis
 
-from skyline import messages
-from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core import messages
+from skyline.core.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.keys import Keys
 from skyline.gateway.testing import GatewayThread, announce_workers
-from skyline.keys import Keys
-from skyline.tokenizer import SimTokenizer
+from skyline.tools.bench.tokenizer import SimTokenizer
 
 MODEL = "sim-model"
 MAX_MODEL_LEN = 512
@@ -346,7 +346,7 @@ def test_reasoning_parser_splits_reasoning_from_content(redis_url, key_prefix):
     cfg = make_cfg(redis_url, key_prefix, reasoning_parser="deepseek_r1")
     announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
     worker = HandWorker(redis_url, Keys(key_prefix))
-    think, end = 257, 258  # skyline/sim_model.py
+    think, end = 257, 258  # skyline/core/sim_model.py
     with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(2) as pool:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
         for stream in (False, True):

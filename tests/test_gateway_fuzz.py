@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.config import GatewayConfig, RedisConfig, SkylineConfig
 from skyline.gateway.testing import GatewayThread, stream_lengths
 
 MODEL = "sim-model"

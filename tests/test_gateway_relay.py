@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from skyline import messages
+from skyline.core import messages
+from skyline.core.keys import Keys
 from skyline.gateway.relay import Relay, RelayUnavailable
-from skyline.keys import Keys
 
 
 @pytest.fixture

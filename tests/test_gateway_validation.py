@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.keys import Keys
 from skyline.gateway.testing import GatewayThread, announce_workers, stream_lengths
-from skyline.keys import Keys
 
 MODEL = "sim-model"
 MAX_MODEL_LEN = 256  # SimTokenizer: one token per UTF-8 byte
@@ -218,7 +218,8 @@ def test_unknown_route_is_openai_404(gateway):
 
 
 def test_health_503_when_redis_is_down(key_prefix, tmp_path):
-    from skyline.redis_server import free_port, start_redis
+    from skyline.core.net import free_port
+    from skyline.tools.redis_server import start_redis
 
     port = free_port()
     proc = start_redis(port, tmp_path)

@@ -1,6 +1,6 @@
 import pytest
 
-from skyline.keys import Keys
+from skyline.core.keys import Keys
 
 
 def test_keys_read_like_documentation():

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from skyline import messages as m
+from skyline.core import messages as m
 
 
 def _req(**kw):

@@ -1,5 +1,5 @@
 """Metric values after a known sequence of requests: gateway /metrics, worker registries,
-the rolling SLO record, `skyline status` — and they agree with `skyline.bench.metrics`."""
+the rolling SLO record, `skyline status` — and they agree with `skyline.tools.bench.metrics`."""
 
 import asyncio
 import re
@@ -10,16 +10,15 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skyline.bench.client import stream_completion
-from skyline.bench.metrics import summarize
-from skyline.bench.record import build_record
-from skyline.bench.workload import BenchRequest
-from skyline.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.config import GatewayConfig, RedisConfig, SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.timeline import read_timeline
 from skyline.gateway.testing import GatewayThread, announce_workers
-from skyline.keys import Keys
-from skyline.status import WIDTH, render, snapshot
-from skyline.timeline import read_timeline
-from skyline.tokenizer import SimTokenizer
+from skyline.tools.bench.client import stream_completion
+from skyline.tools.bench.metrics import summarize
+from skyline.tools.bench.record import build_record
+from skyline.tools.bench.workload import BenchRequest
+from skyline.tools.status import WIDTH, render, snapshot
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet, wait_registered
 
@@ -154,9 +153,9 @@ async def test_a_request_refused_after_parsing_counts_as_missed_and_is_traced(re
 
 
 async def test_queue_depth_counts_entries_nobody_claimed_yet(redis_url, key_prefix):
-    from skyline import messages as m
-    from skyline.status import read_streams
-    from skyline.streams import TierQueues, enqueue, ensure_groups
+    from skyline.core import messages as m
+    from skyline.core.queues import read_streams
+    from skyline.core.streams import TierQueues, enqueue, ensure_groups
 
     cfg = SkylineConfig(key_prefix=key_prefix)
     keys = Keys(key_prefix)
@@ -196,7 +195,7 @@ def test_kv_bytes_per_token_from_the_model_shape():
 
 
 def test_minute_keys_are_whole_minutes_even_for_sub_millisecond_times():
-    from skyline.slo_record import attainment, minute_of
+    from skyline.core.slo_record import attainment, minute_of
 
     assert minute_of(1_796_083_046_778.123) == 29_934_717 == minute_of(1_796_083_046_778)
     assert Keys("s").slo_minute(minute_of(1_796_083_046_778.5)) == "s:slo:29934717"

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from skyline.redis_server import redis_server_args, wait_for_redis
+from skyline.tools.redis_server import redis_server_args, wait_for_redis
 from tests.fleet import Fleet
 from tests.netlab import LabUnavailable, NetLab
 

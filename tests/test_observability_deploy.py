@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import yaml
 from prometheus_client import CollectorRegistry
 
-from skyline.config import SkylineConfig
-from skyline.fleet import WorkerInfo
+from skyline.core.config import SkylineConfig
+from skyline.core.fleet import WorkerInfo
 from skyline.gateway.metrics import GatewayMetrics
-from skyline.launcher import METRICS_PORT_BASE, plan_workers
+from skyline.tools.launcher import METRICS_PORT_BASE, plan_workers
 from skyline.workers.endpoint import WorkerEndpoint
 from skyline.workers.observe import WorkerMetrics
 

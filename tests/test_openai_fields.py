@@ -16,7 +16,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from skyline.config import load_config
+from skyline.core.config import load_config
 from skyline.gateway.testing import GatewayThread, announce_workers
 
 MODEL = "skyline-sim"
@@ -94,7 +94,7 @@ def gateway(redis_url):
     cfg = load_config(None)
     prefix = "fields-test"
     cfg = replace(cfg, key_prefix=prefix, redis=replace(cfg.redis, url=redis_url))
-    announce_workers(redis_url, __import__("skyline.keys", fromlist=["Keys"]).Keys(prefix), "prefill", "decode")
+    announce_workers(redis_url, __import__("skyline.core.keys", fromlist=["Keys"]).Keys(prefix), "prefill", "decode")
     with GatewayThread(cfg, None, MODEL, 256) as gw:
         yield gw
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from skyline.redis_server import FLEET_USER, free_port, start_redis
+from skyline.tools.redis_server import FLEET_USER, start_redis
+
+from skyline.core.net import free_port
 from tests.fleet import Fleet
 
 PASSWORD = "fleet-test-pw"

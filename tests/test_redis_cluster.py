@@ -1,6 +1,6 @@
 """The fleet on a 3-node Redis Cluster (started locally from the bundled redis-server).
 
-What must hold for a cluster (skyline/keys.py, docs/beyond-one-machine.md "Redis Cluster and Sentinel"):
+What must hold for a cluster (skyline/core/keys.py, docs/beyond-one-machine.md "Redis Cluster and Sentinel"):
 keys used together in one command, transaction or Lua script share a hash tag,
 and pub/sub works whichever node a publisher and a subscriber talk to.
 """
@@ -19,11 +19,11 @@ from redis.crc import key_slot
 from skyline.gateway.relay import Relay
 from skyline.scheduler.tiers import DEFAULT_TIERS
 
-from skyline import messages
-from skyline.config import RedisConfig
-from skyline.keys import STAGES, Keys
-from skyline.redis_server import free_cluster_ports, start_redis_cluster
-from skyline.redisconn import connect
+from skyline.core import messages
+from skyline.core.config import RedisConfig
+from skyline.core.keys import STAGES, Keys
+from skyline.core.redisconn import connect
+from skyline.tools.redis_server import free_cluster_ports, start_redis_cluster
 from tests.fleet import Fleet
 
 MODEL = "skyline-sim"

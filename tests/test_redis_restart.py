@@ -12,7 +12,9 @@ import time
 import openai
 import pytest
 
-from skyline.redis_server import free_port, start_redis
+from skyline.tools.redis_server import start_redis
+
+from skyline.core.net import free_port
 from tests.fleet import Fleet
 
 pytestmark = pytest.mark.faults

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 from skyline.gateway.relay import Relay
 
-from skyline import messages
-from skyline.config import RedisConfig
-from skyline.keys import Keys
-from skyline.redis_server import free_port, redis_server_binary, start_redis, wait_for_redis
-from skyline.redisconn import CLUSTER, SENTINEL, SINGLE, connect, describe, parse_redis_url, pubsub_endpoints
+from skyline.core import messages
+from skyline.core.config import RedisConfig
+from skyline.core.keys import Keys
+from skyline.core.net import free_port
+from skyline.core.redisconn import CLUSTER, SENTINEL, SINGLE, connect, describe, parse_redis_url, pubsub_endpoints
+from skyline.tools.redis_server import redis_server_binary, start_redis, wait_for_redis
 
 # ---- URL forms --------------------------------------------------------------------
 

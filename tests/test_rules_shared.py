@@ -27,22 +27,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from skyline import messages
-from skyline.config import SkylineConfig
+from skyline.core import messages
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
+from skyline.core.streams import Claimed
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
-from skyline.keys import Keys
-from skyline.runs import RunClaim
 from skyline.scheduler.disagg import route
 from skyline.scheduler.edf import pick_tier
-from skyline.simulate import decode_worker as sim_decode
-from skyline.simulate import prefill_worker as sim_prefill
-from skyline.simulate.fleet import FleetSpec, Simulation
-from skyline.simulate.preempt import measured_rate
-from skyline.simulate.request import SimRequest
-from skyline.streams import Claimed
+from skyline.tools.simulate import decode_worker as sim_decode
+from skyline.tools.simulate import prefill_worker as sim_prefill
+from skyline.tools.simulate.fleet import FleetSpec, Simulation
+from skyline.tools.simulate.preempt import measured_rate
+from skyline.tools.simulate.request import SimRequest
 from skyline.workers import runtime as live_runtime
 from skyline.workers.decode import DecodeHandler
+from skyline.workers.runs import RunClaim
 from skyline.workers.runtime import WorkerRuntime
 from tests.simmodels import HandModel
 

@@ -1,12 +1,12 @@
-"""The delivery-state scripts (skyline/runs.py) against a real Redis: hand-off once,
+"""The delivery-state scripts (workers/runs.py) against a real Redis: hand-off once,
 claims fence earlier owners, frames applied once and logged for migration."""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from skyline.keys import Keys
-from skyline.runs import FENCED, Runs
+from skyline.core.keys import Keys
+from skyline.workers.runs import FENCED, Runs
 
 
 async def test_hand_off_happens_once(redis_url, key_prefix):

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from skyline.bench import metrics
-from skyline.bench.workload import WorkloadSpec
-from skyline.config import load_config
-from skyline.simulate import calibrate, summary
-from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf_profile import ProfileModel
-from skyline.simulate.request import SimRequest
-from skyline.simulate.roofline import roofline
-from skyline.simulate.systems import role_slowdowns
-from skyline.simulate.workload import synthetic
+from skyline.core.config import load_config
+from skyline.tools.bench import metrics
+from skyline.tools.bench.workload import WorkloadSpec
+from skyline.tools.simulate import calibrate, summary
+from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.tools.simulate.perf_profile import ProfileModel
+from skyline.tools.simulate.request import SimRequest
+from skyline.tools.simulate.roofline import roofline
+from skyline.tools.simulate.systems import role_slowdowns
+from skyline.tools.simulate.workload import synthetic
 from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent

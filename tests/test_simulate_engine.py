@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-from skyline.bench.workload import WorkloadSpec
-from skyline.config import load_config
-from skyline.simulate.events import EventLoop
-from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf import interp
-from skyline.simulate.perf_profile import ProfileModel
-from skyline.simulate.request import SimRequest
-from skyline.simulate.roofline import GPUS, MODELS, Efficiency, RooflineModel, roofline
-from skyline.simulate.workload import load_trace, measured_cache_hit, synthetic
+from skyline.core.config import load_config
+from skyline.tools.bench.workload import WorkloadSpec
+from skyline.tools.simulate.events import EventLoop
+from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.tools.simulate.perf import interp
+from skyline.tools.simulate.perf_profile import ProfileModel
+from skyline.tools.simulate.request import SimRequest
+from skyline.tools.simulate.roofline import GPUS, MODELS, Efficiency, RooflineModel, roofline
+from skyline.tools.simulate.workload import load_trace, measured_cache_hit, synthetic
 from tests.simmodels import HandModel
 
 # -- event engine ---------------------------------------------------------------------------------
@@ -194,8 +194,8 @@ def test_each_batch_change_moves_the_next_completion_as_the_step_times_say():
 
 
 def test_a_preempted_request_comes_back_ahead_of_its_tiers_newer_entries():
-    """The simulated stage queues mirror the live retry lanes (skyline/streams.py)."""
-    from skyline.simulate.queues import StageQueues
+    """The simulated stage queues mirror the live retry lanes (skyline/core/streams.py)."""
+    from skyline.tools.simulate.queues import StageQueues
 
     q = StageQueues("prefill", ("interactive", "standard", "batch"))
     reqs = {}
@@ -258,7 +258,7 @@ def test_runs_are_deterministic_for_a_seed_and_differ_across_seeds():
 def test_synthetic_arrivals_are_the_benchmarks():
     import random
 
-    from skyline.bench.workload import arrival_offsets, class_sequence
+    from skyline.tools.bench.workload import arrival_offsets, class_sequence
 
     spec = WorkloadSpec(seed=3)
     reqs = synthetic(spec, 2.5, 50, lambda c: (1.0, 1.0))

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from skyline.bench import metrics
 from skyline.cli import main as cli_main
-from skyline.config import load_config
-from skyline.simulate import distserve
-from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.perf_profile import ProfileModel
-from skyline.simulate.request import SimRequest
-from skyline.simulate.roofline import roofline
-from skyline.simulate.workload import load_trace
+from skyline.core.config import load_config
+from skyline.tools.bench import metrics
+from skyline.tools.simulate import distserve
+from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.tools.simulate.perf_profile import ProfileModel
+from skyline.tools.simulate.request import SimRequest
+from skyline.tools.simulate.roofline import roofline
+from skyline.tools.simulate.workload import load_trace
 from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent

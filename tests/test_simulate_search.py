@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from skyline.bench import metrics
-from skyline.config import load_config
-from skyline.simulate.fleet import FleetSpec, Simulation, with_overrides
-from skyline.simulate.request import SimRequest
-from skyline.simulate.roofline import roofline
-from skyline.simulate.search import lower_bounds, search_colocated, search_disagg
-from skyline.simulate.systems import SimSystem
+from skyline.core.config import load_config
+from skyline.tools.bench import metrics
+from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.tools.simulate.request import SimRequest
+from skyline.tools.simulate.roofline import roofline
+from skyline.tools.simulate.search import lower_bounds, search_colocated, search_disagg
+from skyline.tools.simulate.systems import SimSystem
 from tests.simmodels import HandModel
 
 # Prefill 400 tokens/s in 100-token steps; every decode step 100 ms whatever the batch; no transfer.

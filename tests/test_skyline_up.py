@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from skyline.progress import Console, LineFilter, Seen
-from skyline.redis_server import free_port
+from skyline.core.net import free_port
+from skyline.tools.progress import Console, LineFilter, Seen
 
 
 def _port_open(port: int) -> bool:

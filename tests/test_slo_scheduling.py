@@ -5,9 +5,9 @@ import asyncio
 import pytest
 from skyline.workers.engines.sim import SimTiming
 
-from skyline import messages as m
-from skyline.keys import Keys
-from skyline.streams import enqueue, now_ms
+from skyline.core import messages as m
+from skyline.core.keys import Keys
+from skyline.core.streams import enqueue, now_ms
 from tests.inprocess import start_fleet, stop_fleet
 
 # 1 ms per prompt token: a 1,500-token "RAG" prompt takes 1.5 s to prefill, in 256-token chunks.

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from skyline import messages as m
-from skyline.keys import Keys
+from skyline.core import messages as m
+from skyline.core.keys import Keys
+from skyline.core.streams import TierQueues, enqueue, ensure_groups
 from skyline.scheduler.tiers import DEFAULT_TIERS
-from skyline.streams import TierQueues, enqueue, ensure_groups
 
 TIERS = tuple(t.name for t in DEFAULT_TIERS)
 
@@ -122,7 +122,7 @@ async def test_peeking_does_not_claim(r, key_prefix):
 
 
 async def test_backlog_counts_queued_prompt_tokens_per_tier(r, key_prefix):
-    from skyline.streams import queued_tokens
+    from skyline.core.streams import queued_tokens
 
     keys = Keys(key_prefix)
     await ensure_groups(r, keys, TIERS, "prefill")

@@ -6,10 +6,11 @@ import logging
 
 import redis.asyncio as aioredis
 
-from skyline.keys import Keys
-from skyline.logs import JsonFormatter
-from skyline.timeline import EVENTS, Timeline, TimelineEvent, key_digest, read_timeline, requester_of
-from skyline.trace import phase_durations, render
+from skyline.core.keys import Keys
+from skyline.core.logs import JsonFormatter
+from skyline.core.timeline import EVENTS, Timeline, TimelineEvent, key_digest, read_timeline, requester_of
+from skyline.core.timeline import phase_durations
+from skyline.tools.trace import render
 
 
 async def test_events_of_one_loop_turn_go_in_one_round_trip_and_read_back_in_time_order(redis_url, key_prefix):
@@ -53,7 +54,7 @@ async def test_a_dead_redis_never_fails_the_caller_and_is_counted(caplog):
     tl = Timeline(r, Keys("x"), who="w")
     seen = []
     tl.listeners.append(lambda event, fields: seen.append(event))
-    with caplog.at_level(logging.WARNING, logger="skyline.batchwrite"):
+    with caplog.at_level(logging.WARNING, logger="skyline.core.batchwrite"):
         await tl.record("req", "arrived")  # returns normally
         tl.emit("req", "first_token")
         await tl.flush()

@@ -12,11 +12,10 @@ from dataclasses import replace
 import httpx
 import openai
 
+from skyline.core.keys import Keys
+from skyline.core.timeline import TimelineEvent, read_timeline
 from skyline.gateway.testing import GatewayThread
-from skyline.keys import Keys
-from skyline.timeline import TimelineEvent, read_timeline
-from skyline.tokenizer import SimTokenizer
-from skyline.trace import render
+from skyline.tools.trace import render
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet, wait_registered
 

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from skyline.redis_server import free_port
+from skyline.core.net import free_port
 from tests.fleet import Fleet
 
 pytestmark = pytest.mark.vllm
@@ -47,7 +47,7 @@ TIME = {"type": "function", "function": {
 def reference(tmp_path_factory):
     """A plain vLLM OpenAI server, as a user runs it (`vllm serve` is `python -m vllm.entrypoints.openai.api_server`
     under this distribution's name)."""
-    from skyline.model import resolve_model
+    from skyline.tools.model import resolve_model
     from skyline.workers.engines import vllm_plugin
 
     port = free_port()

@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 
-from skyline import messages as m
-from skyline.keys import Keys
-from skyline.streams import enqueue, now_ms
+from skyline.core import messages as m
+from skyline.core.keys import Keys
+from skyline.core.streams import enqueue, now_ms
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet
 
@@ -84,7 +84,7 @@ async def test_colocated_route_skips_the_prefill_pool_with_the_same_output(fleet
 
 
 async def test_workers_heartbeat_their_role(fleet):
-    from skyline.fleet import list_workers
+    from skyline.core.fleet import list_workers
 
     cfg, client, _ = fleet
     await asyncio.sleep(0.3)

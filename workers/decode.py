@@ -1,7 +1,7 @@
 """Decode role: pull the prompt's KV (or prefill locally), stream tokens to the client.
 
 Frames go to the request's pub/sub channel through the fenced publish script
-(skyline/runs.py), which also logs the tokens sent. PUBLISH answers how many
+(workers/runs.py), which also logs the tokens sent. PUBLISH answers how many
 subscribers got the frame; 0 means the gateway no longer listens (the client
 left, or the gateway died), so the engine request is aborted at once instead
 of generating tokens for nobody. The entry is acked after the final frame.
@@ -21,16 +21,16 @@ import logging
 import time
 from dataclasses import replace
 
-from skyline import messages
-from skyline.runs import FENCED, RunClaim
+from skyline.core import messages
+from skyline.core.streams import Claimed, now_ms
 from skyline.scheduler import migration
 from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.migration import resume_refusal
-from skyline.streams import Claimed, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest, GenerationChunk, RequestRefused
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
+from skyline.workers.runs import FENCED, RunClaim
 from skyline.workers.runtime import Fenced, WorkerRuntime
 
 log = logging.getLogger("skyline.worker.decode")

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from skyline.config import EngineConfig, SkylineConfig
-from skyline.redis_server import free_port
+from skyline.core.config import EngineConfig, SkylineConfig
+from skyline.core.net import free_port
 from skyline.workers.engines.base import Engine
 
 log = logging.getLogger("skyline.worker")

@@ -1,6 +1,6 @@
 """A worker's request events (timeline, log line) and the Prometheus metrics they drive.
 
-Every event a worker records through `rt.timeline` (skyline/timeline.py) is
+Every event a worker records through `rt.timeline` (skyline/core/timeline.py) is
 also seen by `WorkerMetrics.on_event`, so counting happens in one place and a
 new emit site needs no metrics code: claims feed the queue-wait histogram,
 `preempted`/`migrated`/`reclaimed`/`cancelled`/`failed` the counters,
@@ -20,11 +20,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from skyline import messages
-from skyline.gateway.metrics import TimelineErrors
-from skyline.streams import now_ms
-from skyline.timeline import Timeline
-from skyline.timeline import now_ms as precise_ms
+from skyline.core import messages
+from skyline.core.streams import now_ms
+from skyline.core.timeline import Timeline
+from skyline.core.timeline import TimelineErrors
+from skyline.core.timeline import now_ms as precise_ms
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)

@@ -5,7 +5,7 @@ The engine computes the prompt's KV with `max_tokens=1` and keeps the blocks
 handle travels with the request on the decode stream of the request's tier;
 the prefill entry is acked only after that XADD, so a crash in between means
 the request is prefilled again (at-least-once), never lost. The XADD is a
-hand-off done once per request (skyline/runs.py), so a second prefill of the
+hand-off done once per request (workers/runs.py), so a second prefill of the
 same request never reaches a decode worker.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from skyline import messages
-from skyline.streams import Claimed, entry_fields, now_ms
+from skyline.core import messages
+from skyline.core.streams import Claimed, entry_fields, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest
 from skyline.workers.runtime import WorkerRuntime

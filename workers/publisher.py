@@ -3,7 +3,7 @@
 A decode engine step produces one frame for every running sequence at once;
 publishing them one awaited round trip at a time makes the worker's Redis
 latency, not the engine, the limit on streamed tokens/s. Each frame is one
-call of the fenced publish script (skyline/runs.py: check ownership, log the
+call of the fenced publish script (workers/runs.py: check ownership, log the
 tokens, PUBLISH). Callers still get each call's own answer: the number of
 subscribers that received the frame (0: the client has gone) or FENCED.
 """

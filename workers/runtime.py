@@ -6,7 +6,7 @@
   - listens on `skyline:cancel` and aborts requests it holds;
   - skips requests whose client already left (tombstone), and drops queued
     requests of tiers that would rather fail than be served this late;
-  - takes over work of workers that died or stalled (skyline/reaper.py) and
+  - takes over work of workers that died or stalled (workers/reaper.py) and
     dead-letters a request delivered `max_deliveries` times (poison);
   - on SIGTERM/SIGINT stops claiming, finishes what it holds (bounded by
     `drain_timeout_s`), hands the rest back to the stream, deregisters;
@@ -33,20 +33,20 @@ from collections.abc import Awaitable, Callable
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
-from skyline import messages, redisconn
-from skyline.config import SkylineConfig
-from skyline.fleet import WorkerInfo, deregister, heartbeat
-from skyline.keys import Keys
-from skyline.reaper import forget_departed, reclaim
-from skyline.runs import Runs
+from skyline.core import messages, redisconn
+from skyline.core.config import SkylineConfig
+from skyline.core.fleet import WorkerInfo, deregister, heartbeat
+from skyline.core.keys import Keys
+from skyline.core.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
-from skyline.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import Engine
+from skyline.workers.reaper import forget_departed, reclaim
+from skyline.workers.runs import Runs
 
 log = logging.getLogger("skyline.worker")
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from skyline.config import SkylineConfig
+from skyline.core.config import SkylineConfig
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 

@@ -15,9 +15,9 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 
 from skyline.batch.objects import COMPLETION_WINDOWS
-from skyline.config import BatchConfig, RedisConfig
-from skyline.keys import Keys
-from skyline.redisconn import CLUSTER, SENTINEL, SENTINEL_KWARGS, target_of, tls_options
+from skyline.core.config import BatchConfig, RedisConfig
+from skyline.core.keys import Keys
+from skyline.core.redisconn import CLUSTER, SENTINEL, SENTINEL_KWARGS, target_of, tls_options
 
 RUN_BATCH = "skyline.batch.runner.run_batch_job"  # by name: the gateway never imports the runner
 ON_FAILURE = "skyline.batch.runner.on_job_failure"

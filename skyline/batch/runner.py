@@ -33,12 +33,12 @@ from typing import Any
 
 import httpx
 
-from skyline import redisconn
 from skyline.batch import jsonl
 from skyline.batch.objects import TERMINAL
 from skyline.batch.store import BatchStore
-from skyline.config import SkylineConfig
-from skyline.keys import Keys
+from skyline.core import redisconn
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
 from skyline.scheduler.batch_pacing import BatchPacer, PacingPolicy, fleet_load, slo_pressure, stricter_tiers
 
 log = logging.getLogger("skyline.batch")

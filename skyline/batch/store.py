@@ -1,4 +1,4 @@
-"""Batch files, batches and their per-line results in Redis (keys: skyline/keys.py, "batch jobs").
+"""Batch files, batches and their per-line results in Redis (keys: skyline/core/keys.py, "batch jobs").
 
 Why Redis and not a directory: the gateway that takes an upload, the runner
 that executes the batch and the gateway that serves its output may be on
@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from skyline.batch import jsonl
 from skyline.batch.objects import batch_object, file_object, usage_object
-from skyline.keys import Keys
+from skyline.core.keys import Keys
 
 # KEYS: batch hash. ARGV: allowed current statuses (space-separated), new status, field, value, ...
 _TRANSITION = """

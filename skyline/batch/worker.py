@@ -34,8 +34,8 @@ from rq.worker import WorkerStatus
 
 from skyline.batch import runner
 from skyline.batch.jobs import rq_connection
-from skyline.config import SkylineConfig
-from skyline.keys import Keys
+from skyline.core.config import SkylineConfig
+from skyline.core.keys import Keys
 
 log = logging.getLogger("skyline.batch")
 

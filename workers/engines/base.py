@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyline.messages import SamplingSpec
+from skyline.core.messages import SamplingSpec
 
 
 @dataclass
@@ -31,14 +31,14 @@ class PrefillResult:
 
     kv_handle: dict[str, Any]
     prompt_tokens: int
-    prompt_logprobs: list | None = None  # skyline.logprobs wire form, when the request asked for them
+    prompt_logprobs: list | None = None  # skyline.core.logprobs wire form, when the request asked for them
 
 
 @dataclass
 class GenerationChunk:
     """New output of one choice since its previous chunk. A choice's last chunk has its
     `finish_reason`; the request's last chunk has `done` (with n = 1, the same chunk).
-    Logprobs are in skyline.logprobs' wire form."""
+    Logprobs are in skyline.core.logprobs' wire form."""
 
     token_ids: list[int]
     text: str

@@ -8,7 +8,7 @@ preemption effects show up in fleet tests:
        | decode step otherwise: base + per_seq * running sequences (one token each)
 
 Output tokens are deterministic bytes (token id = byte, the tokenizer of
-skyline/sim_model.py), a function of the prompt, so tests can compare runs.
+skyline/core/sim_model.py), a function of the prompt, so tests can compare runs.
 Sampling parameters other than max_tokens and stop strings do not change the
 text (it never ends with EOS); `n` choices each get the same text (timed as one sequence);
 logprobs and structured outputs, which need a model, are refused with a 400. A "KV handle" names the

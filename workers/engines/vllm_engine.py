@@ -35,8 +35,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from skyline import logprobs
-from skyline.messages import SamplingSpec
+from skyline.core import logprobs
+from skyline.core.messages import SamplingSpec
 from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
 
 log = logging.getLogger("skyline.engine.vllm")

@@ -55,9 +55,11 @@ import importlib
 import os
 import time
 
-ENV = "SKYLINE_NIXL_PROGRESS_DELAY_US"
-PAUSE_ENV = "SKYLINE_SHM_POLL_PAUSE_US"
-KEEP_CORES_ENV = "SKYLINE_NIXL_KEEP_CORES"
+from skyline.core import envs
+
+ENV = envs.NIXL_PROGRESS_DELAY_US.name
+PAUSE_ENV = envs.SHM_POLL_PAUSE_US.name
+KEEP_CORES_ENV = envs.NIXL_KEEP_CORES.name
 POLL_PAUSE_US = "200"  # for CPU engines: Skyline's, and the vLLM baselines of `skyline bench`
 
 
@@ -76,7 +78,7 @@ def _vllm_class(module: str, name: str) -> type | None:
 
 
 def _connector_keeps_engine_cores() -> None:
-    if not os.environ.get(KEEP_CORES_ENV) or not hasattr(os, "sched_setaffinity"):
+    if not envs.NIXL_KEEP_CORES.is_set() or not hasattr(os, "sched_setaffinity"):
         return
     cls = _vllm_class("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlBaseConnectorWorker")
     if cls is not None:
@@ -101,7 +103,7 @@ def keep_thread_cores(cls: type) -> None:
 
 
 def _sleeping_queue_readers() -> None:
-    value = os.environ.get(PAUSE_ENV)
+    value = envs.SHM_POLL_PAUSE_US.get()
     if not value:
         return
     cls = _vllm_class("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
@@ -127,7 +129,7 @@ def pause_between_polls(cls: type, pause_s: float) -> None:
 
 
 def _sleeping_progress_thread() -> None:
-    delay = os.environ.get(ENV)
+    delay = envs.NIXL_PROGRESS_DELAY_US.get()
     if not delay:
         return
     try:

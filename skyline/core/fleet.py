@@ -1,0 +1,79 @@
+"""Worker registry: heartbeats written by workers, read by the gateway and `skyline status`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from skyline.core.keys import Keys
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    engine: str
+    model: str
+    host: str
+    pid: int
+    running: int
+    waiting: int
+    kv_usage: float
+    started: float
+    last_seen: float  # Unix seconds of the last heartbeat
+    running_tokens: int = 0  # prompt tokens this prefill worker holds (shown by `skyline status`)
+    tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
+    address: str = ""  # where other hosts reach this worker (worker.advertise_host)
+    metrics_port: int = 0  # its HTTP endpoint: /metrics, /ready, /health (0 = none)
+    nixl_port: int = 0  # its engine's NIXL side channel (0 = no KV transfer)
+
+
+async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: float) -> None:
+    """Announce a worker for `ttl_s`. The hash carries the load numbers; the
+    zset gives readers the list of workers without a SCAN (which would need
+    one call per shard in Redis Cluster)."""
+    now = time.time()
+    info.last_seen = now
+    pipe = r.pipeline(transaction=False)
+    pipe.hset(keys.worker(info.worker_id), mapping={k: str(v) for k, v in info.__dict__.items()})
+    pipe.expire(keys.worker(info.worker_id), max(1, int(ttl_s + 0.999)))
+    pipe.zadd(keys.workers, {info.worker_id: now})
+    await pipe.execute()
+
+
+async def deregister(r: aioredis.Redis, keys: Keys, worker_id: str) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(keys.worker(worker_id))
+    pipe.zrem(keys.workers, worker_id)
+    await pipe.execute()
+
+
+async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list[WorkerInfo]:
+    """Workers whose last heartbeat is younger than `liveness_s`. Members older
+    than a minute are pruned from the zset (their hashes already expired)."""
+    now = time.time()
+    await r.zremrangebyscore(keys.workers, "-inf", now - 60)
+    ids = [i.decode() if isinstance(i, bytes) else i for i in await r.zrangebyscore(keys.workers, now - liveness_s, "+inf")]
+    if not ids:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hgetall(keys.worker(worker_id))
+    out = []
+    for raw in await pipe.execute():
+        if not raw:
+            continue
+        d = {k.decode(): v.decode() for k, v in raw.items()}
+        out.append(
+            WorkerInfo(
+                worker_id=d["worker_id"], role=d["role"], engine=d["engine"], model=d["model"], host=d["host"],
+                pid=int(d["pid"]), running=int(d["running"]), waiting=int(d["waiting"]),
+                kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
+                running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
+                address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
+                nixl_port=int(d.get("nixl_port", 0)),
+            )
+        )
+    return out

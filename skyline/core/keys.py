@@ -1,0 +1,242 @@
+"""Every Redis key and channel Skyline uses, built in one place.
+
+Read this file as the map of the keyspace; `redis-cli` output should read
+like it. Each entry gives the Redis type, who writes it, who reads it and its
+lifetime. `prefix` (default "skyline") lets several fleets share one Redis.
+
+Redis Cluster: a prefill worker waits on all tier streams of one stage with a
+single multi-key XREAD, so all streams of a stage carry the same hash tag
+(`{prefill}` / `{decode}`) and live on one shard. Pub/sub channels are not
+slotted. Per-request and per-worker keys are single-key operations and spread
+freely across shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_GROUP = "prefill"  # consumer group on every prefill tier stream
+DECODE_GROUP = "decode"  # consumer group on every decode tier stream
+STAGES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "skyline"
+
+    def stream(self, stage: str, tier: str) -> str:
+        """STREAM `skyline:{prefill}:interactive` — work waiting for a stage, one per SLO tier.
+
+        Written by the gateway (prefill, or decode for colocated routing) and
+        by prefill workers (decode); read by the stage's consumer group.
+        Entries: readable summary fields + `msg` (msgpack). Trimmed by MAXLEN.
+        """
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}")
+        return f"{self.prefix}:{{{stage}}}:{tier}"
+
+    def retry_stream(self, stage: str, tier: str) -> str:
+        """STREAM `skyline:{prefill}:interactive:retry` — work of one tier returned to the queue.
+
+        A worker that preempts a request, or hands it back while draining, re-adds
+        it here with its original arrival and deadline. Stream entries cannot be
+        inserted ahead of others, and on the tier's own stream it would wait behind
+        every request that arrived after it; workers compare this lane's head with
+        the tier stream's and take the earlier deadline first. Same consumer group.
+        """
+        return f"{self.stream(stage, tier)}:retry"
+
+    def tokens(self, request_id: str) -> str:
+        """CHANNEL `skyline:tokens:<request id>` — output frames of one request.
+
+        The gateway subscribes before enqueueing; the decode worker publishes
+        msgpack TokenDelta/Finished/Failed frames. No storage: lives as long
+        as the subscription.
+        """
+        return f"{self.prefix}:tokens:{request_id}"
+
+    @property
+    def cancel(self) -> str:
+        """CHANNEL `skyline:cancel` — Cancel messages broadcast by the gateway to all workers."""
+        return f"{self.prefix}:cancel"
+
+    def cancelled(self, request_id: str) -> str:
+        """STRING `skyline:cancelled:<request id>` — tombstone of a cancelled request.
+
+        Set by the gateway with a TTL so that a worker which claims the request
+        later (it was still queued when the client left) skips it.
+        """
+        return f"{self.prefix}:cancelled:{request_id}"
+
+    @property
+    def workers(self) -> str:
+        """ZSET `skyline:workers` — worker id -> last heartbeat (Unix seconds).
+
+        Written by every worker's heartbeat; read by the gateway (is a role
+        alive?) and `skyline status`. Stale members are pruned by readers.
+        """
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """HASH `skyline:worker:<id>` — role, engine, model, load, address. TTL = 3 heartbeats."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    @property
+    def backlog(self) -> str:
+        """HASH `skyline:backlog` — `<stage>:<tier>` -> prompt tokens admitted and not yet prefilled.
+
+        HINCRBY'd by whoever enqueues work that needs a prefill, decremented by
+        the worker when it acks the entry (queued + in progress, so a burst
+        sees the work already handed to engines); read by admission control.
+        An estimate (a crash between XACK and HINCRBY skews it), clamped at 0.
+        """
+        return f"{self.prefix}:backlog"
+
+    @staticmethod
+    def backlog_field(stage: str, tier: str) -> str:
+        return f"{stage}:{tier}"
+
+    @property
+    def dead(self) -> str:
+        """STREAM `skyline:dead` — requests that could not be processed (poison / failed), for humans."""
+        return f"{self.prefix}:dead"
+
+    def run(self, request_id: str) -> str:
+        """HASH `skyline:{decode}:run:<id>` — delivery state of one request (workers/runs.py).
+
+        `handoff` (prefill worker that handed it to decode: set once, so a
+        reclaimed prefill cannot hand it off twice), `attempt` (bumped by every
+        decode claim; output frames of an older attempt are fenced out),
+        `owner`, `frames` (published so far), `done`. Written by prefill and
+        decode workers through Lua scripts; TTL `redis.run_ttl_s`.
+        """
+        return f"{self.prefix}:{{decode}}:run:{request_id}"
+
+    def output(self, request_id: str) -> str:
+        """LIST `skyline:{decode}:out:<id>` — token ids already sent to the client.
+
+        Appended atomically with each frame's PUBLISH; read by a decode worker
+        that takes over a request mid-stream (migration). Deleted by the
+        final frame; TTL `redis.run_ttl_s`.
+        """
+        return f"{self.prefix}:{{decode}}:out:{request_id}"
+
+    def timeline(self, request_id: str) -> str:
+        """LIST `skyline:timeline:<id>` — what happened to one request, one JSON event per entry.
+
+        `{"event", "t_ms", "who", "fields"}` (skyline/core/timeline.py), RPUSHed by
+        whichever process saw the event (gateway, prefill or decode worker);
+        read by `GET /v1/requests/{id}/timeline` and `skyline trace`. The
+        newest `observability.timeline_max_events` are kept; TTL
+        `observability.timeline_ttl_s`, renewed by every event.
+        """
+        return f"{self.prefix}:timeline:{request_id}"
+
+    def requester(self, request_id: str) -> str:
+        """STRING `skyline:requester:<id>` — SHA-256 of the API key that sent the request.
+
+        Written by the gateway (only when API keys are on), read by the
+        timeline route so a client sees only its own requests. Same TTL as
+        the timeline.
+        """
+        return f"{self.prefix}:requester:{request_id}"
+
+    def slo_minute(self, minute: int) -> str:
+        """HASH `skyline:slo:<unix minute>` — requests finished in that minute, by tier and verdict.
+
+        Fields `<tier>:done` (answered), `<tier>:met` (TTFT and TPOT targets
+        met), `<tier>:ttft_met`, `<tier>:failed` (error or refused answer).
+        HINCRBY'd by every gateway; read by `skyline status` and /dashboard.
+        TTL `observability.slo_window_minutes`.
+        """
+        return f"{self.prefix}:slo:{minute}"
+
+    @property
+    def recent(self) -> str:
+        """LIST `skyline:recent` — the latest finished requests, newest first, one JSON object each.
+
+        `{"id", "tier", "t_ms", "status", "ttft_ms", "tpot_ms", "e2e_ms", "slo_met", ...}`
+        LPUSHed by every gateway, capped at `observability.recent_requests`;
+        read by /dashboard (percentiles, slowest requests).
+        """
+        return f"{self.prefix}:recent"
+
+    # ---- batch jobs (skyline/batch/). Each file and each batch carries its own id as a
+    # hash tag, so the scripts that touch a batch's hash, results and claims run on one slot.
+
+    def file(self, file_id: str) -> str:
+        """HASH `skyline:file:{<id>}` — an uploaded or produced file's metadata (OpenAI file object).
+
+        `id`, `filename`, `purpose` (batch, batch_output), `bytes`,
+        `created_at`, `expires_at`. Written by the gateway (upload) and the
+        batch runner (output and error files); read by `GET /v1/files/{id}`.
+        TTL `batch.file_ttl_s`.
+        """
+        return f"{self.prefix}:file:{{{file_id}}}"
+
+    def file_content(self, file_id: str) -> str:
+        """STRING `skyline:file:{<id>}:content` — the file's bytes (JSONL), at most `batch.max_file_bytes`.
+
+        Same writers and lifetime as the metadata; read by the batch runner
+        (input) and `GET /v1/files/{id}/content`.
+        """
+        return f"{self.prefix}:file:{{{file_id}}}:content"
+
+    def batch(self, batch_id: str) -> str:
+        """HASH `skyline:batch:{<id>}` — one batch: status, timestamps, file ids, request counts, errors.
+
+        Created by the gateway (`POST /v1/batches`); status moves through
+        validating -> in_progress -> finalizing -> completed (or failed,
+        cancelling -> cancelled, expired) by Lua transitions in the gateway
+        and the batch runner; `completed`/`failed` are counted with each
+        recorded result. TTL `batch.file_ttl_s` once finished.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    @property
+    def batches(self) -> str:
+        """ZSET `skyline:batches` — batch id -> created_at (Unix s), for `GET /v1/batches`.
+
+        Written by the gateway at creation; members whose hash expired are
+        dropped by the listing.
+        """
+        return f"{self.prefix}:batches"
+
+    def batch_results(self, batch_id: str) -> str:
+        """HASH `skyline:batch:{<id>}:results` — input line number -> its output line (JSON).
+
+        The batch's durable progress: HSETNX'd once per line (a result or an
+        error), by the gateway as soon as a request finishes (so a runner
+        killed mid-request loses nothing) or by the runner (bad lines, given
+        up, cancelled). A restarted runner skips every line present here.
+        Read at finalisation to write the output and error files. Same TTL as
+        the batch.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}:results"
+
+    def batch_claim(self, batch_id: str, line: int) -> str:
+        """STRING `skyline:batch:{<id>}:claim:<line>` — a gateway is running this line now.
+
+        SET NX by the gateway before it runs a batch line, deleted when the
+        result is recorded; its TTL (`gateway.request_timeout_s` + 30 s)
+        frees the line if that gateway dies. A runner that finds the line
+        claimed waits for its result instead of sending it twice.
+        """
+        return f"{self.prefix}:batch:{{{batch_id}}}:claim:{line}"
+
+    def batch_queue(self) -> str:
+        """The RQ queue of batch jobs, `<prefix>-batches`; RQ owns its keys (`rq:queue:skyline-batches`,
+        `rq:wip:...`, `rq:job:<batch id>`...): `rq info` and the RQ registries show batches there."""
+        return f"{self.prefix}-batches"
+
+    def all_streams(self, tiers: tuple[str, ...]) -> list[tuple[str, str, str]]:
+        """(stage, tier, key) for every tier stream, in stage then tier order (retry lanes: `lanes`)."""
+        return [(stage, tier, self.stream(stage, tier)) for stage in STAGES for tier in tiers]
+
+    def lanes(self, stage: str, tiers: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(tier, key) of every stream a stage's workers read: each tier's stream, then its retry lane."""
+        return [(tier, key) for tier in tiers for key in (self.stream(stage, tier), self.retry_stream(stage, tier))]
+
+    @staticmethod
+    def group(stage: str) -> str:
+        return PREFILL_GROUP if stage == "prefill" else DECODE_GROUP

@@ -1,0 +1,12 @@
+"""Local network helpers shared by processes and tools."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; another process may take it later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,239 @@
+"""Thin async I/O over the tier streams: enqueue, EDF claim, ack.
+
+The policy (which tier to serve next) lives in `skyline.scheduler.edf`; this
+module only observes the stream heads and moves entries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from skyline.core import messages
+from skyline.core.keys import STAGES, Keys
+from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.scheduler.tiers import Tier
+
+
+@dataclass
+class Head:
+    """The next entry of one tier, seen without claiming it: the earlier-due of the
+    oldest undelivered entries of its stream and of its retry lane (`stream`)."""
+
+    tier: str
+    deadline_ms: int
+    prompt_tokens: int
+    stream: str = ""
+
+
+@dataclass
+class Claimed:
+    """One stream entry this consumer now owns (until it XACKs it)."""
+
+    stream: str
+    entry_id: str
+    tier: str
+    message: messages.Message
+    prefill_tokens: int = 0  # what this entry added to the backlog; removed again at ack
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def ensure_groups(r: aioredis.Redis, keys: Keys, tiers: tuple[str, ...], stage: str | None = None) -> None:
+    """Create the consumer groups (and streams) if missing. Idempotent; called at
+    start-up and after a Redis restart, since a restarted Redis without
+    persistence has neither."""
+    for st in STAGES:
+        if stage and st != stage:
+            continue
+        for _tier, key in keys.lanes(st, tiers):
+            await _create_group(r, key, Keys.group(st))
+
+
+async def _create_group(r: aioredis.Redis, key: str, group: str) -> None:
+    try:
+        await r.xgroup_create(key, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def enqueue(
+    r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
+    backlog_reserved: bool = False, retry: bool = False,
+) -> str:
+    """XADD a request to its tier stream (`retry`: to the tier's retry lane, for work
+    returned to the queue). Besides the msgpack body, a few plain fields make
+    `XRANGE` readable for an operator. `backlog_reserved`: admission control
+    already added the prompt to the backlog (see `reserve_backlog`)."""
+    req = msg.request if isinstance(msg, messages.DecodeWork) else msg
+    fields = entry_fields(msg)
+    prefill_tokens = fields["prefill_tokens"]
+    key = keys.retry_stream(stage, req.tier) if retry else keys.stream(stage, req.tier)
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
+    if prefill_tokens and not backlog_reserved:
+        pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
+    entry_id = (await pipe.execute())[0]
+    return _s(entry_id)
+
+
+def needs_prefill(msg: messages.Message) -> bool:
+    """Does this work still need its prompt computed (anything but decode work carrying a KV handle)?"""
+    return not (isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None)
+
+
+def entry_fields(msg: messages.GenerateRequest | messages.DecodeWork) -> dict:
+    """A stream entry: the msgpack body plus a few plain fields that make `XRANGE`
+    readable for an operator and let workers peek at heads without decoding."""
+    req = msg.request if isinstance(msg, messages.DecodeWork) else msg
+    return {
+        "id": req.request_id,
+        "tier": req.tier,
+        "deadline_ms": req.deadline_ms,
+        "prompt_tokens": len(req.prompt_token_ids),
+        "prefill_tokens": len(req.prompt_token_ids) if needs_prefill(msg) else 0,
+        "max_tokens": req.sampling.max_tokens,
+        "msg": messages.encode(msg),
+    }
+
+
+async def queued_tokens(r: aioredis.Redis, keys: Keys, stage: str) -> dict[str, int]:
+    """tier -> prompt tokens admitted to the stage and not yet prefilled (queued or in progress)."""
+    return _backlog_of(await r.hgetall(keys.backlog), stage)
+
+
+async def reserve_backlog(r: aioredis.Redis, keys: Keys, stage: str, tier: str, tokens: int) -> dict[str, int]:
+    """Add a request's prompt to the backlog and read the backlog, atomically.
+
+    Admission decides on the result: concurrent requests each see the others'
+    reservations, so a burst cannot all pass a check made before any of them
+    was counted. The caller releases the reservation if it refuses the request.
+    Returns the backlog *without* this request's own tokens.
+    """
+    pipe = r.pipeline(transaction=True)
+    pipe.hincrby(keys.backlog, Keys.backlog_field(stage, tier), tokens)
+    pipe.hgetall(keys.backlog)
+    _, raw = await pipe.execute()
+    backlog = _backlog_of(raw, stage)
+    backlog[tier] = max(0, backlog.get(tier, 0) - tokens)
+    return backlog
+
+
+async def release_backlog(r: aioredis.Redis, keys: Keys, stage: str, tier: str, tokens: int) -> None:
+    await r.hincrby(keys.backlog, Keys.backlog_field(stage, tier), -tokens)
+
+
+def _backlog_of(raw: dict, stage: str) -> dict[str, int]:
+    prefix = f"{stage}:"
+    return {_s(k)[len(prefix):]: max(0, int(v)) for k, v in raw.items() if _s(k).startswith(prefix)}
+
+
+class TierQueues:
+    """One stage's tier streams seen from one consumer.
+
+    `claim()` waits until some tier has an undelivered entry, picks the tier
+    whose head has the earliest deadline (policy: `pick_tier`) and claims one
+    entry from it. A tier's head is the earlier-due of its stream's and its
+    retry lane's (work returned to the queue with its original deadline), so a
+    preempted request comes back ahead of the ones that arrived after it.
+    Peeking uses plain XREAD from each group's last-delivered id, which neither
+    claims nor changes anything, so idle workers can watch the queues without
+    hoarding work another worker could start sooner.
+    """
+
+    def __init__(self, r: aioredis.Redis, keys: Keys, stage: str, tiers: tuple[Tier, ...], consumer: str):
+        self.r = r
+        self.keys = keys
+        self.stage = stage
+        self.group = Keys.group(stage)
+        self.tiers = tiers
+        self.tier_names = tuple(t.name for t in tiers)
+        self.consumer = consumer
+        self.lanes = keys.lanes(stage, self.tier_names)  # (tier, key): every stream this stage reads
+        self.tier_of = {key: tier for tier, key in self.lanes}
+        self.retry_lanes = {keys.retry_stream(stage, t) for t in self.tier_names}
+
+    async def _last_delivered(self) -> dict[str, str]:
+        pipe = self.r.pipeline(transaction=False)
+        for _tier, key in self.lanes:
+            pipe.xinfo_groups(key)
+        out: dict[str, str] = {}
+        for (_tier, key), groups in zip(self.lanes, await pipe.execute(raise_on_error=False)):
+            if isinstance(groups, ResponseError):  # "no such key": Redis restarted without persistence
+                groups = []
+            last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
+            if last is None:
+                raise ResponseError(f"NOGROUP consumer group {self.group} missing on {key}")
+            out[key] = _s(last)
+        return out
+
+    async def peek_heads(self, block_ms: int) -> dict[str, Head]:
+        """tier -> its next entry; waits up to `block_ms` for one to appear when
+        every tier is empty (0 = do not wait)."""
+        last = await self._last_delivered()
+        resp = await self.r.xread(last, count=1, block=block_ms or None)
+        return self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
+
+    def heads_of(self, entries) -> dict[str, Head]:
+        """tier -> its next entry, from the oldest undelivered entry of each lane: (stream key, fields)."""
+        heads: dict[str, Head] = {}
+        for key, fields in entries:
+            tier = self.tier_of[key]
+            head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key)
+            seen = heads.get(tier)
+            if seen is None or self._due_first(head, seen):
+                heads[tier] = head
+        return heads
+
+    def _due_first(self, a: Head, b: Head) -> bool:
+        """Is head `a` served before `b`, the other lane of its tier (scheduler.edf.retry_first)?"""
+        if a.stream in self.retry_lanes:
+            return retry_first(a.deadline_ms, b.deadline_ms)
+        return not retry_first(b.deadline_ms, a.deadline_ms)
+
+    def pick(self, heads: dict[str, Head], tiers: tuple[str, ...] | None = None) -> str | None:
+        """The tier to claim from: EDF over the heads (`pick_tier`), among `tiers` only if given."""
+        return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
+
+    async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None) -> Claimed | None:
+        """Claim the next entry in EDF order (among `tiers` only, if given), or None if
+        nothing arrived in `block_ms` (or only entries of other tiers are waiting)."""
+        heads = await self.peek_heads(block_ms)
+        tier = self.pick(heads, tiers)
+        if tier is None:
+            return None
+        key = heads[tier].stream
+        resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
+        for _key, entries in resp or []:
+            for entry_id, fields in entries:
+                prefill_tokens = int(fields.get(b"prefill_tokens", 0))
+                return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]), prefill_tokens)
+        return None  # another worker took it between peek and claim
+
+    async def release_prefill(self, claimed: Claimed) -> None:
+        """The entry's prompt has been computed before its ack (a colocated request
+        streams on long after): take it off the backlog now, once."""
+        if claimed.prefill_tokens:
+            tokens, claimed.prefill_tokens = claimed.prefill_tokens, 0
+            await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -tokens)
+
+    async def ack(self, claimed: Claimed) -> bool:
+        """Done with an entry (handed on, finished, failed or dropped): XACK it and
+        take its prefill work off the backlog. Only the ack that removed the entry
+        from the pending list adjusts the backlog: after a takeover both the old
+        and the new owner may ack the same entry. False if it was acked already."""
+        if not await self.r.xack(claimed.stream, self.group, claimed.entry_id):
+            return False
+        if claimed.prefill_tokens:
+            await self.r.hincrby(self.keys.backlog, Keys.backlog_field(self.stage, claimed.tier), -claimed.prefill_tokens)
+        return True
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,97 @@
+"""One benchmark request as the report keeps it: what was sent, what came back, and its verdict.
+
+Metric definitions follow `vllm bench serve` (so numbers compare with it):
+  TTFT     first streamed content chunk - send time
+  latency  last byte of the response - send time (end-to-end)
+  TPOT     (latency - TTFT) / (output tokens - 1); 0 for a 1-token output
+  ITL      gaps between consecutive content chunks (a chunk may carry more
+           than one token when a server batches its stream frames)
+Output tokens are the server's own count (usage, stream_options.include_usage).
+
+Outcomes, counted separately: ok; rejected (HTTP 429, admission control
+shedding); error (any other HTTP status, transport error, or error frame);
+cancelled (still running when the run's drain deadline passed). Only an ok
+request can attain its SLO: a request attains when TTFT <= its TTFT target
+and TPOT <= its TPOT target (DistServe's definition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from skyline.tools.bench.client import RequestRecord
+from skyline.tools.bench.workload import BenchRequest
+
+OUTCOMES = ("ok", "rejected", "error", "cancelled")
+
+
+@dataclass
+class BenchRecord:
+    system: str
+    rate: float
+    index: int
+    cls: str
+    tier: str
+    prompt_tokens: int  # as built (chat template included)
+    max_tokens: int
+    send_at: float  # scheduled send time, s after the run started
+    sent_s: float = 0.0  # actual send time, s after the run started
+    outcome: str = "error"
+    http_status: int = 0
+    error: str = ""
+    server_prompt_tokens: int = 0  # the server's usage.prompt_tokens
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    ttft_target_ms: float = 0.0
+    tpot_target_ms: float = 0.0
+    attained: bool = False
+    skyline: dict = field(default_factory=dict)  # the gateway's response extension, when present
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def outcome_of(rec: RequestRecord) -> str:
+    if rec.status == 429:
+        return "rejected"
+    if rec.ok and not rec.error:
+        return "ok"
+    return "error"
+
+
+def tpot(latency_s: float, ttft_s: float, output_tokens: int) -> float:
+    """vLLM's TPOT: decode time spread over the tokens after the first."""
+    return (latency_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
+
+
+def itls(chunk_times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+
+
+def attains(outcome: str, ttft_s: float, tpot_s: float, ttft_target_ms: float, tpot_target_ms: float) -> bool:
+    return outcome == "ok" and ttft_s * 1000 <= ttft_target_ms and tpot_s * 1000 <= tpot_target_ms
+
+
+def build_record(system: str, rate: float, req: BenchRequest, sent_s: float, rec: RequestRecord | None,
+                 targets_ms: tuple[float, float]) -> BenchRecord:
+    """Join what was sent with what came back; `rec` None means cancelled at the drain deadline."""
+    out = BenchRecord(system, rate, req.index, req.cls, req.tier, req.prompt_tokens, req.max_tokens, req.send_at,
+                      sent_s=sent_s, ttft_target_ms=targets_ms[0], tpot_target_ms=targets_ms[1])
+    if rec is None:
+        out.outcome, out.error = "cancelled", "still running at the drain deadline"
+        return out
+    out.outcome, out.http_status, out.error = outcome_of(rec), rec.status, rec.error
+    out.skyline = rec.skyline
+    if out.outcome == "ok" and not rec.chunk_times:
+        # A 200 with no content streamed has no TTFT; counting it as instant would flatter the server.
+        out.outcome, out.error = "error", "response streamed no content"
+    if out.outcome == "ok":
+        out.server_prompt_tokens, out.output_tokens = rec.prompt_tokens, rec.output_tokens
+        out.ttft_s, out.latency_s = rec.ttft_s, rec.latency_s
+        out.tpot_s = tpot(rec.latency_s, rec.ttft_s, rec.output_tokens)
+        out.itl_s = itls(rec.chunk_times)
+        out.attained = attains(out.outcome, out.ttft_s, out.tpot_s, *targets_ms)
+    return out

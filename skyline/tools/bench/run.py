@@ -1,0 +1,259 @@
+"""`skyline bench run`: start each system, warm it up, sweep the rates, stop it; then report.
+
+Order of events, per system (one system at a time, so each has the cores
+to itself):
+  1. start it (processes; Redis too for Skyline fleets) and wait until ready;
+  2. warm-up requests, not measured (first requests pay one-off costs);
+  3. on the first system that starts (the baseline), if any SLO target is
+     to be derived: the unloaded probe (requests one at a time), giving the
+     per-class targets used for every system (and sent to Skyline as headers);
+  4. for each rate: the open-loop run; then the next rate;
+  5. stop it.
+A system that fails to start or crashes is reported as failed and the
+sweep goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import redis
+from tqdm import tqdm
+
+from skyline.tools.bench import driver, engine_steps, metrics, report
+from skyline.tools.bench.options import parse_per_class, parse_range, preset
+from skyline.tools.bench.prompts import PromptBuilder
+from skyline.tools.bench.slo import SloTargets, derive_targets, explicit_targets
+from skyline.tools.bench.systems import SYSTEMS, SystemSpec, engine_cores, start
+from skyline.tools.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
+
+NO_TARGET = (math.inf, math.inf)  # before targets are known (warm-up, probe): nothing to judge against
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
+
+
+def _clean(x):
+    """NaN -> None, so results.json is strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, command: str = ""):
+        p = preset(args)
+        self.args, self.command = args, command or "(called from Python)"
+        self.rates = [float(r) for r in str(p["rates"]).split(",") if r.strip()]
+        self.duration_s, self.num_requests, self.drain_s = p["duration"], args.num_requests, p["drain"]
+        config = getattr(args, "skyline_config", None)  # (absent from other commands' argument sets)
+        self.skyline_config = str(Path(config).resolve()) if config else ""
+        self.probe_n, self.warmup_n = p["probe_requests"], p["warmup"]
+        self.workload = WorkloadSpec(
+            mix=args.mix, chat_prompt=parse_range(p["chat_prompt"]), rag_prompt=parse_range(p["rag_prompt"]),
+            chat_output=parse_range(p["chat_output"]), rag_output=parse_range(p["rag_output"]),
+            chat_tier=args.chat_tier, rag_tier=args.rag_tier, arrival=args.arrival, burstiness=args.burstiness,
+            seed=args.seed)
+        self.explicit_ttft, self.explicit_tpot = parse_per_class(args.slo_ttft_ms), parse_per_class(args.slo_tpot_ms)
+        if args.endpoint:
+            self.systems = [SystemSpec("endpoint", "endpoint", args.endpoint_flavor)]
+        else:
+            names = [s.strip() for s in args.systems.split(",") if s.strip()]
+            unknown = [n for n in names if n not in SYSTEMS]
+            if unknown:
+                raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+            self.systems = [SYSTEMS[n] for n in names]
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.out = Path(args.out or f"bench-results/{stamp}")
+        self.targets: SloTargets | None = None
+        if all(c in self.explicit_ttft and c in self.explicit_tpot for c in CLASSES):
+            self.targets = explicit_targets(self.explicit_ttft, self.explicit_tpot)
+        self._builders: dict[str, PromptBuilder] = {}
+        self.engine_profile: dict | None = None  # --profile-engine: the profile taken after the systems ran
+
+    # -- workload -------------------------------------------------------------------------------
+
+    def builder(self, spec: SystemSpec) -> PromptBuilder:
+        """Prompt lengths are counted in the tokens of the model each system serves."""
+        kind = "bytes" if spec.engine == "sim" or (spec.kind == "endpoint" and self.args.tokenizer == "bytes") else (
+            self.args.tokenizer if spec.kind == "endpoint" else "default")
+        if kind not in self._builders:
+            from skyline.tools.bench.tokenizer import load_tokenizer
+
+            if kind == "bytes":
+                self._builders[kind] = PromptBuilder(load_tokenizer("sim", ""))
+            else:
+                from skyline.tools.model import resolve_model
+
+                self._builders[kind] = PromptBuilder(load_tokenizer("vllm", resolve_model(kind)))
+        return self._builders[kind]
+
+    def n_for(self, rate: float) -> int:
+        return requests_for(rate, self.duration_s, self.num_requests)
+
+    def _targets_of(self, cls: str) -> tuple[float, float]:
+        return self.targets.for_class(cls) if self.targets else NO_TARGET
+
+    # -- one system -----------------------------------------------------------------------------
+
+    def bench_system(self, spec: SystemSpec, bar: tqdm, records: list, runs: list, probe_out: list) -> dict:
+        t0 = time.monotonic()
+        bar.write(f"[{spec.name}] starting ...")
+        running = start(spec, self.out / "logs", self.args.start_timeout, self.args.endpoint or "",
+                        self.args.model or "", self.skyline_config)
+        info = {"status": "ok", "startup_s": round(time.monotonic() - t0, 1), "url": running.url,
+                "model": running.model}
+        bar.write(f"[{spec.name}] ready in {info['startup_s']} s at {running.url}")
+        try:
+            target = driver.Target(spec.name, running.url, running.model, spec.flavor, self._targets_of,
+                                   self.args.allow_demotion)
+            builder = self.builder(spec)
+            self._warm_up(spec, running, builder)
+            if self.targets is None:
+                bar.write(f"[{spec.name}] unloaded probe: {self.probe_n} requests per class, one at a time")
+                probe = asyncio.run(driver.run_sequential(target, probe_requests(self.workload, builder, self.probe_n)))
+                probe_out.extend(r.to_dict() for r in probe)
+                self.targets = derive_targets(probe, self.args.slo_scale, spec.name, self.explicit_ttft,
+                                              self.explicit_tpot)
+                bar.write(f"[{spec.name}] SLO targets: TTFT {self.targets.ttft_ms} ms, TPOT {self.targets.tpot_ms} ms")
+            for rate in self.rates:
+                bar.set_postfix_str(f"{spec.name} @ {rate:g} req/s")
+                reqs = make_requests(self.workload, builder, self.n_for(rate), rate)
+                running.check_alive()
+                progress = lambda _r: bar.update(1)
+                recs, duration = asyncio.run(driver.run_rate(target, rate, reqs, self.drain_s, progress))
+                running.check_alive()  # a crash mid-run would otherwise look like a slow server
+                summary = metrics.summarize(recs, duration)
+                summary["send_lag_ms_max"] = max((r.sent_s - r.send_at) * 1000 for r in recs)  # load-generator health
+                runs.append({"system": spec.name, "rate": rate, "summary": summary})
+                records.extend(r.to_dict() for r in recs)
+                bar.write(f"[{spec.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, "
+                          f"{summary['rejected']} rejected, attainment {summary['attainment']:.0%}")
+            if running.redis_url:
+                self._engine_steps(spec, running, info, bar)
+        finally:
+            running.stop()
+        return info
+
+    def _engine_steps(self, spec: SystemSpec, running, info: dict, bar: tqdm) -> None:
+        """The engine steps the system's workers ran (warm-up and probe included), kept with its results."""
+        try:
+            steps = engine_steps.scrape(running.redis_url, running.key_prefix)
+        except (OSError, ValueError, redis.RedisError) as exc:  # a missing figure must not lose the run
+            bar.write(f"[{spec.name}] engine steps not read: {exc}")
+            return
+        if steps:
+            info["engine_steps"] = steps
+            bar.write(f"[{spec.name}] engine steps: {engine_steps.describe(steps)}")
+
+    def _warm_up(self, spec: SystemSpec, running, builder: PromptBuilder) -> None:
+        """One RAG and (warmup - 1) chat requests, one at a time, not measured."""
+        warm = probe_requests(self.workload, builder, 1, stream="warmup")
+        warm = [r for r in warm if r.cls == "rag"] + [r for r in warm if r.cls == "chat"] * max(1, self.warmup_n - 1)
+        # No SLO targets in warm-up (the tier's defaults apply): it must not be shed, only run.
+        untargeted = driver.Target(spec.name, running.url, running.model, spec.flavor, lambda _c: NO_TARGET)
+        recs = asyncio.run(driver.run_sequential(untargeted, warm))
+        failed = [r for r in recs if r.outcome == "error"]
+        if len(failed) == len(recs):
+            raise RuntimeError(f"every warm-up request failed: {failed[0].error}")
+
+    # -- the whole run --------------------------------------------------------------------------
+
+    def run(self) -> tuple[dict, list[Path]]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        load_start = _loadavg()
+        records: list[dict] = []
+        runs: list[dict] = []
+        probe: list[dict] = []
+        systems: dict[str, dict] = {}
+        total = len(self.systems) * sum(self.n_for(r) for r in self.rates)
+        with tqdm(total=total, unit="req", desc="skyline bench", dynamic_ncols=True) as bar:
+            for spec in self.systems:
+                t0 = time.monotonic()
+                try:
+                    systems[spec.name] = self.bench_system(spec, bar, records, runs, probe)
+                except Exception as exc:  # noqa: BLE001 - one broken system must not lose the others' results
+                    systems[spec.name] = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                    bar.write(f"[{spec.name}] FAILED: {exc}")
+                    done = sum(1 for r in runs if r["system"] == spec.name)
+                    bar.update(sum(self.n_for(r) for r in self.rates[done:]))
+                systems[spec.name]["wall_s"] = round(time.monotonic() - t0, 1)
+                # Written after every system, so a long run stopped halfway keeps what it measured.
+                partial = self._results(started, load_start, systems, runs, probe, records, complete=False)
+                report.write(partial, self.out)
+        if getattr(self.args, "profile_engine", False) and not self.args.endpoint:
+            self.engine_profile = self.profile_engine()
+        results = self._results(started, load_start, systems, runs, probe, records, complete=True)
+        return results, report.write(results, self.out)
+
+    def profile_argv(self, path: Path) -> list[str]:
+        """`skyline profile` of the engine as the colocated systems run it: every core, no KV connector."""
+        return [sys.executable, "-m", "skyline.cli", "profile", "--cpu-bind", engine_cores(), "--no-kv-transfer",
+                "--out", str(path)]
+
+    def profile_engine(self) -> dict:
+        """Profile the engine right after the systems ran, on the same host: the simulator replays a run
+        within its calibration bounds only on a profile of the same hour (docs/simulator.md: one from
+        another day was 11-62% off on p50 TTFT, the machine's speed drifting by ~20%)."""
+        path, log = self.out / "engine-profile.json", self.out / "logs" / "engine-profile.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print("[engine-profile] profiling the engine (~2 min) ...", flush=True)
+        with log.open("w") as f:
+            rc = subprocess.run(self.profile_argv(path), stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        if rc != 0 or not path.exists():
+            print(f"[engine-profile] FAILED (exit {rc}): see {log}", flush=True)
+            return {"status": "failed", "log": str(log.relative_to(self.out))}
+        print(f"[engine-profile] written to {path}", flush=True)
+        return {"status": "ok", "file": path.name, "command": " ".join(["skyline", *self.profile_argv(path)[3:]])}
+
+    def _results(self, started: str, load_start: str, systems: dict, runs: list, probe: list, records: list,
+                 complete: bool) -> dict:
+        goodput = {}
+        for name in systems:
+            points = [(r["rate"], r["summary"]["attainment"]) for r in runs if r["system"] == name]
+            if points:
+                goodput[name] = metrics.goodput(points)
+        return _clean({
+            "benchmark": "skyline bench run",
+            "command": self.command,
+            "complete": complete,
+            "started": started, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": load_start,
+                        "loadavg_end": _loadavg()},
+            "config": {"systems": [s.name for s in self.systems], "rates": self.rates, "duration_s": self.duration_s,
+                       "num_requests": self.num_requests, "drain_s": self.drain_s, "quick": self.args.quick,
+                       "probe_requests": self.probe_n, "warmup": self.warmup_n,
+                       "allow_demotion": self.args.allow_demotion,
+                       "skyline_config": self.skyline_config,
+                       "workload": asdict(self.workload)},
+            "definitions": report.DEFINITIONS,
+            "slo": self.targets.to_dict() if self.targets else {"ttft_ms": {}, "tpot_ms": {}, "source": "not measured"},
+            "systems": systems, "goodput": goodput, "runs": runs, "probe": probe, "records": records,
+            **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
+        })
+
+
+def main(args: argparse.Namespace) -> None:
+    results, files = Bench(args, " ".join(shlex.quote(a) for a in ["skyline", *sys.argv[1:]])).run()
+    print(files[1].read_text())  # report.md
+    print("files:\n" + "\n".join(f"  {f}" for f in files))
+    if any(s["status"] != "ok" for s in results["systems"].values()):
+        sys.exit(1)
+

@@ -1,0 +1,200 @@
+"""The systems under test, and starting/stopping them as processes.
+
+Only one system runs at a time, and every real-engine system is given the
+same cores (all of this process's CPU affinity), so the comparison is
+between ways of using the same hardware:
+  vllm-fcfs          plain vLLM OpenAI server, one engine, FCFS (the baseline)
+  vllm-priority      the same server with --scheduling-policy priority
+  skyline-colocated  Skyline gateway + Redis + one decode worker that also prefills
+  skyline-disagg     Skyline gateway + Redis + 1 prefill worker + 1 decode worker
+  sim-colocated / sim-disagg   the Skyline fleets on the `sim` engine (tests)
+  endpoint           an already running OpenAI-compatible server (--endpoint)
+Process output goes to <out>/logs/<system>-<process>.log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from skyline.tools.redis_server import start_redis
+
+from skyline.core.net import free_port
+
+VLLM_MAX_MODEL_LEN = 2048  # Skyline's default context; both sides must agree
+VLLM_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE; Skyline's default kv_cache_gib per engine is the same
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str  # "vllm" | "skyline" | "endpoint"
+    flavor: str  # request shaping, see skyline.tools.bench.shaping
+    engine: str = "vllm"  # skyline fleets: "vllm" | "sim"
+    mode: str = ""  # skyline fleets: "colocated" | "disagg"
+    scheduling: str = "fcfs"  # vllm server: "fcfs" | "priority"
+
+
+SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
+    SystemSpec("vllm-fcfs", "vllm", "plain"),
+    SystemSpec("vllm-priority", "vllm", "priority", scheduling="priority"),
+    SystemSpec("skyline-colocated", "skyline", "skyline", mode="colocated"),
+    SystemSpec("skyline-disagg", "skyline", "skyline", mode="disagg"),
+    SystemSpec("sim-colocated", "skyline", "skyline", engine="sim", mode="colocated"),
+    SystemSpec("sim-disagg", "skyline", "skyline", engine="sim", mode="disagg"),
+)}
+DEFAULT_SYSTEMS = ("vllm-fcfs", "vllm-priority", "skyline-colocated", "skyline-disagg")
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def engine_cores() -> str:
+    """The cores a one-engine system (vLLM, Skyline colocated) binds its engine to: all of this process's."""
+    cores = _cores()
+    return f"{cores[0]}-{cores[-1]}"
+
+
+@dataclass
+class Running:
+    """A started system: where to send requests, and what to stop afterwards."""
+
+    spec: SystemSpec
+    url: str  # base URL, without /v1
+    model: str  # the served model name requests must carry
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    redis: subprocess.Popen | None = None
+    tmp: tempfile.TemporaryDirectory | None = None
+    logs: list[Path] = field(default_factory=list)
+    config: str = ""  # TOML file a Skyline system's processes start with ("" = defaults)
+    redis_url: str = ""  # a Skyline system's own Redis
+    key_prefix: str = "skyline"  # ... and the prefix of its keys (from its config)
+
+    def stop(self) -> None:
+        """Workers first (they drain and deregister), then the gateway/server, then Redis."""
+        for _name, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _name, p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+        if self.tmp is not None:
+            self.tmp.cleanup()
+        self.procs, self.redis, self.tmp = [], None, None
+
+    def check_alive(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                log = self.logs[[n for n, _ in self.procs].index(name)]
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{self.spec.name}: {name} exited with code {p.returncode}\n{tail}")
+
+
+def _spawn(run: Running, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    log = log_dir / f"{run.spec.name}-{name}.log"
+    with open(log, "wb") as fh:  # the child keeps its own handle
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    run.procs.append((name, proc))
+    run.logs.append(log)
+
+
+def _wait(run: Running, ready, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run.check_alive()
+        try:
+            if ready():
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{run.spec.name} not ready after {timeout_s:.0f}s (logs: {', '.join(map(str, run.logs))})")
+
+
+def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str = "", model: str = "",
+          config: str = "") -> Running:
+    """Start `spec` and return once it serves requests (or raise, having stopped what it started);
+    a Skyline system's gateway and workers read `config` (a TOML file) when given."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if spec.kind == "endpoint":
+        url = endpoint.rstrip("/").removesuffix("/v1")
+        if not model:
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return Running(spec, url, model)
+    starter = _start_vllm if spec.kind == "vllm" else _start_skyline
+    run = Running(spec, "", "", config=config)
+    try:
+        starter(run, log_dir, timeout_s)
+    except BaseException:
+        run.stop()
+        raise
+    return run
+
+
+def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
+    from skyline.tools.model import DEFAULT_MODEL_NAME, resolve_model
+    from skyline.workers.engines import vllm_plugin
+
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
+            "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", "float32", "--max-model-len", str(VLLM_MAX_MODEL_LEN),
+            "--host", "127.0.0.1", "--port", str(port),
+            # Eager mode starts in ~16 s instead of ~70 s and decodes as fast on CPU.
+            "--enforce-eager", "--scheduling-policy", run.spec.scheduling]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": engine_cores(),
+           # The CPU fix Skyline's own engines get (vllm_plugin.py: queue readers that sleep instead of
+           # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
+           vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}
+    _spawn(run, "server", argv, log_dir, env)
+    run.url, run.model = f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME
+    _wait(run, lambda: httpx.get(f"{run.url}/v1/models", timeout=2).status_code == 200, timeout_s)
+
+
+def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
+    from skyline.core.config import load_config
+    from skyline.tools.launcher import plan_workers
+
+    spec = run.spec
+    run.tmp = tempfile.TemporaryDirectory(prefix=f"skyline-bench-{spec.name}-")
+    rport, gport = free_port(), free_port()
+    run.redis = start_redis(rport, Path(run.tmp.name) / "redis")
+    run.redis_url = f"redis://127.0.0.1:{rport}/0"
+    common = ["--redis-url", run.redis_url, "--engine", spec.engine]
+    if spec.engine == "vllm":
+        common += ["--model", "default"]
+    if run.config:
+        common += ["--config", run.config]
+    cli = [sys.executable, "-m", "skyline.cli"]
+    # Same pinning as `skyline up`: colocated = one worker on every core; disagg = prefill core 0, decode core 1.
+    cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
+    run.key_prefix = cfg.key_prefix
+    plan = plan_workers(cfg, 1, 1)
+    for name, extra in plan:
+        _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)
+    _spawn(run, "gateway", [*cli, "gateway", *common, "--port", str(gport), "--mode", spec.mode], log_dir)
+    # stop() signals in list order: workers were added first, so they drain before the gateway goes.
+    run.url = f"http://127.0.0.1:{gport}"
+    want = {"decode": 1, **({"prefill": 1} if spec.mode == "disagg" else {})}
+
+    def ready() -> bool:
+        workers = httpx.get(f"{run.url}/health", timeout=2).json().get("workers", {})
+        return all(workers.get(role, 0) >= n for role, n in want.items())
+
+    _wait(run, ready, timeout_s)
+    run.model = httpx.get(f"{run.url}/v1/models", timeout=5).json()["data"][0]["id"]

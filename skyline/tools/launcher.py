@@ -1,0 +1,380 @@
+"""`skyline up`: the whole fleet on one machine, as child processes.
+
+Starts (unless --redis-url names an existing server) a local Redis bound to
+127.0.0.1, then the gateway and the workers, each its own process running
+`python -m skyline.cli ...` (the same commands a user runs by hand to scale
+out), and one batch runner (`skyline batch-runner`, an RQ worker for batch
+jobs). Each one's whole output goes to $SKYLINE_HOME/logs/<name>.log; the
+terminal gets a line per process started and ready, a spinner meanwhile,
+warnings and errors, then the banner (URLs, a ready-to-paste request) and the
+fleet's request log (skyline/tools/progress.py decides; --verbose relays every line).
+Ctrl-C (or SIGTERM) stops everything it started, workers first so they can drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import BinaryIO
+
+from skyline.core import envs
+from skyline.core.config import SkylineConfig
+from skyline.core.envs import skyline_home
+from skyline.core.net import free_port
+from skyline.tools.progress import Console, LineFilter, Seen, rotate, tail
+from skyline.tools.redis_server import FLEET_USER, start_redis
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+# Worker i of `skyline up` (prefill workers first) serves /metrics on this port + i;
+# deploy/prometheus.yml scrapes exactly these ports.
+METRICS_PORT_BASE = 9100
+
+
+def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
+    """The gateway's tool/reasoning/chat-template settings as its flags (vllm serve's names)."""
+    g = cfg.gateway
+    out = ["--enable-auto-tool-choice"] if g.enable_auto_tool_choice else []
+    for flag, value in (("--tool-call-parser", g.tool_call_parser), ("--reasoning-parser", g.reasoning_parser),
+                        ("--chat-template", g.chat_template)):
+        if value:
+            out += [flag, value]
+    return out
+
+
+def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
+                 metrics_port_base: int = METRICS_PORT_BASE) -> list[tuple[str, list[str]]]:
+    """(name, extra CLI args) per worker. Real engines are pinned round-robin to
+    cores (prefill first), so a prefill engine and a decode engine do not fight
+    for the same core; a lone colocated decode worker gets every core. Each
+    worker gets its own metrics port (`metrics_port_base` + i; 0 = free ports)."""
+    if cfg.gateway.mode == "colocated":
+        n_prefill = 0
+    cores = _cores()
+    plan = []
+    roles = ["prefill"] * n_prefill + ["decode"] * n_decode
+    for i, role in enumerate(roles):
+        args = [role]
+        if cfg.engine.kind == "vllm":
+            bind = f"{cores[0]}-{cores[-1]}" if len(roles) == 1 else str(cores[i % len(cores)])
+            args += ["--cpu-bind", bind]
+            # A colocated fleet never moves KV: no NIXL connector at all.
+            args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
+        if metrics_port_base:
+            args += ["--metrics-port", str(metrics_port_base + i)]
+        name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
+        plan.append((name, args))
+    return plan
+
+
+@dataclass
+class Child:
+    """One process `up` started: all its output goes to `log`; the terminal gets what `_relay` lets through."""
+
+    name: str
+    role: str  # gateway, prefill, decode or batch
+    proc: subprocess.Popen
+    log: Path
+    relay: threading.Thread | None = None
+    ready: bool = False
+
+
+def _relay(child: Child, log: BinaryIO, console: Console, fleet_up: threading.Event, verbose: bool,
+           seen: Seen) -> None:
+    # Every line goes to the log file as it comes; the terminal gets all of them with --verbose,
+    # else what LineFilter picks (skyline/tools/progress.py).
+    assert child.proc.stdout is not None
+    keep = LineFilter(seen)
+    with log:
+        for raw in iter(child.proc.stdout.readline, b""):
+            log.write(raw)
+            log.flush()  # a crash's last lines must be in the file when `up` shows its tail
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if verbose or keep.show(line, fleet_up.is_set()):
+                console.line(f"{child.name:>10} | {line}")
+
+
+def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children: list[Child], logs: Path,
+           console: Console, fleet_up: threading.Event, verbose: bool, seen: Seen) -> Child:
+    log = open(rotate(logs / f"{name}.log"), "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "skyline.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C goes to us; we stop children in order
+    )
+    child = Child(name, role, proc, Path(log.name))
+    children.append(child)
+    console.line(f"{name:>10} | starting, pid {proc.pid}")
+    child.relay = threading.Thread(target=_relay, args=(child, log, console, fleet_up, verbose, seen),
+                                   daemon=True)
+    child.relay.start()
+    return child
+
+
+def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
+    out = ["--redis-url", cfg.redis.url, "--engine", cfg.engine.kind, "--key-prefix", cfg.key_prefix,
+           "--max-model-len", str(cfg.engine.max_model_len)]
+    if cfg.engine.kind == "vllm":
+        out += ["--model", cfg.engine.model]
+    if cfg.engine.served_model_name:
+        out += ["--served-model-name", cfg.engine.served_model_name]
+    if args.config:
+        out += ["--config", args.config]
+    out += ["--log-format", cfg.observability.log_format]
+    return out
+
+
+class StartupFailed(Exception):
+    def __init__(self, child: Child):
+        super().__init__(f"{child.name} exited with code {child.proc.returncode} during start-up")
+        self.child = child
+
+
+def _wait_ready(url: str, children: list[Child], batch_registered: Callable[[], bool], console: Console,
+                logs: Path, timeout_s: float) -> None:
+    """Until every child is ready; says "ready" for each as it gets there and spins meanwhile."""
+    t0 = time.monotonic()
+    next_probe = t0
+    while time.monotonic() < t0 + timeout_s:
+        for child in children:
+            if child.proc.poll() is not None:
+                raise StartupFailed(child)
+        if time.monotonic() >= next_probe:  # probe twice a second, spin ten times
+            _mark_ready(url, children, batch_registered, console)
+            next_probe = time.monotonic() + 0.5
+        waiting = [c.name for c in children if not c.ready]
+        if not waiting:
+            return
+        console.spin(f"waiting for {', '.join(waiting)}  ({time.monotonic() - t0:.0f}s; logs: {logs})")
+        time.sleep(0.1)
+    raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(c.name for c in children if not c.ready)}")
+
+
+def _mark_ready(url: str, children: list[Child], batch_registered: Callable[[], bool], console: Console) -> None:
+    # The gateway is ready when /health answers 200; a worker when /health counts it. /health
+    # counts workers per role, not by name: with n of a role counted, the first n started are
+    # called ready (the line says "n of N" so the count is what it claims).
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            workers: dict[str, int] | None = json.loads(resp.read()).get("workers", {})
+    except (OSError, ValueError):
+        workers = None
+    for child in children:
+        if child.ready:
+            continue
+        same_role = [c for c in children if c.role == child.role]
+        if child.role == "gateway":
+            child.ready, why = workers is not None, "/health answers"
+        elif child.role == "batch":
+            child.ready, why = batch_registered(), "registered with RQ, waiting for batch jobs"
+        else:
+            counted = (workers or {}).get(child.role, 0)
+            child.ready = same_role.index(child) < counted
+            why = f"/health counts {min(counted, len(same_role))} of {len(same_role)} {child.role} workers"
+        if child.ready:
+            console.line(f"{child.name:>10} | ready: {why}")
+
+
+def _rq_registered(cfg: SkylineConfig, name: str) -> Callable[[], bool]:
+    """Whether the batch runner's RQ worker `name` has registered in Redis: it has no /health."""
+    from redis.exceptions import RedisError
+    from rq import Worker
+
+    from skyline.batch.jobs import rq_connection
+
+    def registered() -> bool:
+        try:
+            with rq_connection(cfg.redis) as conn:
+                return bool(conn.exists(Worker.redis_worker_namespace_prefix + name))
+        except (RedisError, OSError, ValueError):
+            return False
+
+    return registered
+
+
+def fleet_password(home: Path) -> str:
+    """The local fleet's Redis password: made once, kept in $SKYLINE_HOME (mode 0600)."""
+    path = home / "redis-fleet.password"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def _stopping() -> None:
+    # Once stopping, a second Ctrl-C (an impatient user; `timeout` forwarding its SIGINT to the
+    # group) must not break off the orderly stop: that would leave Redis running with a traceback.
+    # _stop_all ends within its bounds anyway (then SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
+    # Ctrl-C and SIGTERM both stop the fleet, also when `up` was started in the
+    # background by a shell (which starts it with SIGINT ignored).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    home = skyline_home()
+    logs = home / "logs"
+    verbose = getattr(args, "verbose", False)
+    console = Console()
+    fleet_up = threading.Event()  # set at the banner: from then on the terminal also gets Skyline's INFO lines
+    children: list[Child] = []
+    redis_proc = None
+    console.line(f"skyline up: each process logs to {logs}/<name>.log"
+                 + ("" if verbose else "; here: progress, warnings, errors (--verbose: everything)"))
+    try:  # from here: a Ctrl-C, even during the first run's model preparation, stops what started
+        if not args.redis_url and not envs.REDIS_URL.is_set():
+            # The fleet connects as a restricted ACL user (no admin commands); the
+            # default user stays for an operator's `redis-cli` on this machine only.
+            password = fleet_password(home)
+            redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence,
+                                     rotate(logs / "redis.log"), fleet_password=password,
+                                     own_session=True)  # stopped last, below
+            cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0",
+                                             password=password))  # children: the URL and the environment
+            os.environ[envs.REDIS_PASSWORD.name] = password  # children inherit it; never on a command line
+            console.line(f"{'redis':>10} | ready: 127.0.0.1:{args.redis_port}, pid {redis_proc.pid}")
+        if cfg.engine.kind == "vllm":
+            from skyline.tools.model import resolve_model
+
+            console.line(f"model: {resolve_model(cfg.engine.model)}")  # prepares the default model once
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
+            env[envs.API_KEYS.name] = ",".join(cfg.gateway.api_keys)
+        common = _common_args(cfg, args)
+        seen = Seen()  # the warnings already shown, fleet-wide
+        spawn = lambda name, role, argv: _spawn(name, role, argv, env, children, logs,  # noqa: E731
+                                                console, fleet_up, verbose, seen)
+        gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
+              *_openai_surface_args(cfg)]
+        t0 = time.monotonic()
+        spawn("gateway", "gateway", gw)
+        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)
+        for name, extra in plan:
+            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:]])
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        # One batch runner (an RQ worker) runs batch jobs through this gateway (docs/batch.md).
+        runner = f"batch-runner-{socket.gethostname()}-{os.getpid()}"
+        spawn("batch", "batch", ["batch-runner", *common, "--gateway-url", url, "--name", runner])
+        try:
+            _wait_ready(url, children, _rq_registered(cfg, runner), console, logs, timeout_s=600)
+        except StartupFailed as exc:
+            console.done()
+            _show_death(exc.child, console, verbose)
+            console.line("skyline up: stopping the fleet")
+            return 1
+        except TimeoutError as exc:
+            console.done()
+            console.line(f"skyline up: {exc}; their logs are in {logs}. Stopping the fleet")
+            return 1
+        console.done()
+        _banner(cfg, url, time.monotonic() - t0, plan, logs, console)
+        fleet_up.set()
+        while all(c.proc.poll() is None for c in children):
+            time.sleep(0.5)
+        dead = [c for c in children if c.proc.poll() is not None]
+        for child in dead:
+            _show_death(child, console, verbose)
+        console.line(f"skyline up: {', '.join(f'{c.name} (exit {c.proc.returncode})' for c in dead)} stopped; "
+                     "shutting down the fleet")
+        return 1
+    except KeyboardInterrupt:
+        _stopping()
+        console.done()
+        console.line("\nskyline up: stopping...")
+        return 0
+    finally:
+        _stopping()
+        _stop_all(children, cfg.worker.drain_timeout_s)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
+
+
+def _show_death(child: Child, console: Console, verbose: bool) -> None:
+    """What a process that died printed last (already on the terminal with --verbose) and where its log is."""
+    if child.relay is not None:
+        child.relay.join(timeout=2)  # its last lines reach the file first
+    console.line(f"skyline up: {child.name} exited with code {child.proc.returncode}; its log: {child.log}")
+    if not verbose:
+        console.line("\n".join(f"{child.name:>10} | {line}" for line in tail(child.log)))
+
+
+def _stop_all(children: list[Child], drain_timeout_s: float) -> None:
+    # Workers first (they drain and deregister), the gateway last. A worker may take its drain
+    # bound and then some (workers/runtime.py ends itself past that, logging where it hung);
+    # only what outlives that gets SIGKILL, and the terminal says so.
+    for child in sorted(children, key=lambda c: c.role == "gateway"):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    for child in children:
+        limit_s = 30.0 if child.role in ("gateway", "batch") else drain_timeout_s + 60
+        try:
+            child.proc.wait(timeout=max(0.1, t0 + limit_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"skyline up: {child.name} did not stop within {limit_s:.0f} s of SIGTERM; killing it "
+                  f"(its log: {child.log})", file=sys.stderr, flush=True)
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+    for child in children:  # their last lines (how they stopped) reach their log files
+        if child.relay is not None:
+            child.relay.join(timeout=2)
+
+
+def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, list[str]]], logs: Path,
+            console: Console) -> None:
+    # The fleet connects as the restricted ACL user; an operator on this machine uses the default user.
+    admin_url = cfg.redis.url.replace(f"{FLEET_USER}:@", "")
+    from skyline.tools.model import model_identity
+
+    _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
+    auth = f' -H "Authorization: Bearer {cfg.gateway.api_keys[0]}"' if cfg.gateway.api_keys else ""
+    console.line(
+        f"""
+Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
+  gateway   {url}   (OpenAI API: {url}/v1)
+  redis     {admin_url}   (redis-cli -u {admin_url} ...)
+  status    skyline status --redis-url {admin_url}
+  dashboard {url}/dashboard
+  metrics   {url}/metrics{_worker_metrics(plan)}
+  trace     skyline trace <request id> --redis-url {admin_url}
+  batches   skyline batch submit FILE.jsonl --gateway-url {url}   (one batch runner is running; rq info -u {admin_url})
+  logs      {logs}/   (one <name>.log per process, the previous start's as <name>.log.1)
+
+Try it:
+  curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
+
+Ctrl-C stops everything. Below: the request log, warnings and errors.""",
+    )
+
+
+def _worker_metrics(plan: list[tuple[str, list[str]]]) -> str:
+    """The workers' /metrics URLs, one per line under the gateway's."""
+    lines = []
+    for name, args in plan:
+        if "--metrics-port" in args:
+            lines.append(f"\n            http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics  ({name})")
+    return "".join(lines)

@@ -1,0 +1,409 @@
+"""A simulated decode worker: continuous batching advanced in closed form.
+
+Claiming is the live rule (`scheduler.claiming.ClaimRoom.decode`, as `workers/runtime.py`): claim the
+EDF head of the decode stage while the worker holds fewer than `max_running` requests, its KV usage is
+under `kv_watermark` and its streams keep their pace. A claimed request with a KV handle pulls
+its KV (the model's transfer time) and joins the batch at the next step
+boundary; one without (colocated route, or a handle too old: `scheduler.disagg.handle_expired`)
+is prefilled by this engine first.
+
+Decode-only batches are not simulated step by step. Between two membership
+changes the batch of B sequences holding C KV tokens runs steps of
+a + b * (C + j * B) seconds (the model's linear-in-context cost), so the
+time after n steps is
+
+    T(n) = t + n a + b (n C + B n (n - 1) / 2)
+
+and the worker schedules one event: the step at which its next member
+finishes. A request joining mid-step waits for the step in progress (found
+by solving T(n) <= now for n); every member's first and last token times
+follow from T. Steps that prefill (colocated engines) are simulated one by
+one: a mixed step computes prompt chunks and one token per running sequence.
+
+Prompts computed here hold the step budget as a prefill worker's do, so the
+live rules apply to them: claims stop at `prefill_token_budget` prompt
+tokens in the engine, and fleet-level preemption (`preempt.py`) aborts
+looser-tier ones for a request that would miss its deadline (at its claim,
+and for the stage's EDF head while the worker is full).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+from skyline.scheduler.claiming import ClaimShield
+from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
+from skyline.scheduler.disagg import handle_expired
+from skyline.scheduler.step_budget import StepShaper
+from skyline.scheduler.throughput import ThroughputMeter
+from skyline.tools.simulate.preempt import claim_for, victims_for
+from skyline.tools.simulate.prefill_worker import plan_chunks, shape_step
+
+PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
+
+
+class _Member:
+    __slots__ = ("end_step", "first_step", "req")
+
+    def __init__(self, req, first_step: int, end_step: int):
+        self.req, self.first_step, self.end_step = req, first_step, end_step
+
+
+class _Local:
+    __slots__ = ("aborted", "claimed_at", "done", "order", "req")
+
+    def __init__(self, req, order: int, now: float):
+        # a prefix-cache hit: the engine computes only the rest
+        self.req, self.done, self.order, self.claimed_at, self.aborted = req, req.cached_tokens, order, now, False
+
+
+class DecodeWorker:
+    def __init__(self, sim, wid: int):
+        self.sim, self.wid = sim, wid
+        self.name = f"decode-{wid}"
+        self.perf = sim.perf_decode
+        # the current segment: boundary after step k at time t, B members holding C KV tokens
+        self.k, self.t, self.C, self.B = 0, 0.0, 0, 0
+        self.a = self.b = 0.0
+        self.ends: list = []  # heap of (end_step, seq, member)
+        self._seq = 0
+        self.pending_first: list[_Member] = []  # joined at this boundary: first token at step k + 1
+        # The next member's completion: `due` is when it happens (None: no closed-form batch), `armed`
+        # the time of the one wake-up event that counts (see _reschedule).
+        self.due: float | None = None
+        self.armed: float | None = None
+        self.arriving = 0  # claimed, KV on its way
+        self.reserved = 0  # KV tokens of claimed requests not yet in the batch
+        self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
+        self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
+        self.joining: list = []  # KV arrived while stepping: join at the next step
+        self.stepping = False
+        self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
+        self._order = 0
+        self.segments: list | None = [] if sim.record_itl else None
+        # Prompts this worker computed itself, timed as the live decode worker times them
+        # (claim -> first token); heartbeated for admission control of colocated routes.
+        self.meter = ThroughputMeter()
+        self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
+        self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
+        self.room = sim.claim_room
+        self.preemption = sim.decode_preemption  # the policy with this engine's step shape
+        self.claims = ClaimShield()  # after a preemption: claim only the protected tiers for a while
+        self.shaper = StepShaper(urgent_priority=sim.urgent_priority, step_tokens=self.perf.max_step_tokens,
+                                 prefill_cap=sim.decode_cap, background=sim.decode_background,
+                                 max_held=sim.max_held_steps)
+        # The claim rule's pace check (scheduler/decode_room.py): TPOT targets of the requests held
+        # (target -> count), and the streams' time per token in the live worker's meter
+        # (`TokenPaceMeter`). Live, the meter takes every stream's gap between two chunks; here the
+        # steps add to two running sums (stream-seconds, tokens), and what they added since the last
+        # read goes into the meter as one sample when the rule is read.
+        self.headroom = sim.worker_cfg.tpot_headroom
+        self.pace = TokenPaceMeter(sim.worker_cfg.tpot_window_s)
+        self.tpot_held: dict[int, int] = {}
+        self.stream_s = 0.0
+        self.tokens_out = 0
+        self._paced = (0.0, 0)  # the sums when the meter last took them
+        self.pace_ok, self.pace_at = True, -1.0  # the verdict for a worker holding 2 or more, and when read
+        self.kv_capacity = self.perf.kv_capacity_tokens
+        self._room = self.room.decode  # (bound once: asked after every batch event)
+        self._coeffs = self.perf.decode_coeffs
+        self.loop = sim.loop
+        self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
+
+    # -- room and claims ---------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        # KV usage counts the KV of claimed requests still on their way: the engine holds their blocks.
+        return self._room(self.B + self.arriving + len(self.local) + len(self.joining), self.local_tokens,
+                          (self.C + self.reserved) / self.kv_capacity, self.pace_ok)
+
+    def _read_pace(self) -> None:
+        """The pace rule's verdict, re-read at the worker's step and batch events at most every
+        PACE_READ_S simulated seconds (callers check; has_room uses it meanwhile): a claim needs no
+        more precision on a 10 s window, and a big fleet asks millions of times."""
+        now = self.pace_at = self.loop.now
+        s0, n0 = self._paced
+        s1, n1 = self._paced = (self.stream_s, self.tokens_out)
+        self.pace.record(now, s1 - s0, n1 - n0)
+        tightest = min(self.tpot_held) if self.tpot_held else None
+        self.pace_ok = pace_allows(self.pace.seconds_per_token(now), tightest, self.headroom)
+
+    def claim_while_room(self, limit: int = 1 << 30) -> None:
+        """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
+        sim = self.sim
+        q, now = sim.decode_q, sim.loop.now
+        room = None  # has_room() as last asked, while nothing changed since (None: ask again)
+        while q.size and limit > 0:
+            room = self.has_room()
+            if not room:
+                break
+            item = claim_for(self, q, self.local)
+            if item is None:  # shielded: only looser tiers wait
+                return  # out of the ready queue: nothing there is its to take; its own steps claim again
+            room = None
+            limit -= 1
+            req, prefill_end = item
+            self.reserved += req.prompt_tokens
+            if self.headroom > 0:
+                self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
+            if prefill_end is not None and not handle_expired((now - prefill_end) * 1000, sim.kv_lease_s):
+                self.arriving += 1
+                sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
+            else:
+                self.preempt(req)  # live: a prompt computed here competes for the step budget
+                self._order += 1
+                self.local.append(_Local(req, self._order, now))
+                self.local_tokens += req.prompt_tokens
+                if not self.stepping:
+                    self._align(now)
+                    self.stepping = True
+                    self.due = None  # the wake-up armed for the closed-form batch finds nothing due
+                    self._start_mixed()
+        # Back in the ready queue while it has room (called after every batch event)
+        if not self.in_ready and (self.has_room() if room is None else room):
+            self.in_ready = True
+            sim.decode_ready.append(self)
+
+    def preempt(self, head, claimed: bool = True) -> int:
+        """Abort the prompts that keep request `head` from its deadline (requeued); how many.
+        `claimed`: this worker just took `head` (False: still queued, the worker full)."""
+        victims = victims_for(self, self.local, head, claimed)
+        for h in victims:
+            h.aborted = True  # the step in progress computes its chunk for nothing
+            self.local.remove(h)
+            self.local_tokens -= h.req.prompt_tokens
+            self.reserved -= h.req.prompt_tokens
+            self._release_tpot(h.req)
+            self.sim.decode_q.push_retry(h.req, (h.req, None))  # back on its retry lane, to be prefilled again
+        return len(victims)
+
+    def _kv_arrived(self, req) -> None:
+        self.arriving -= 1
+        if self.stepping:
+            self.joining.append(req)
+            return
+        self._align(self.loop.now)
+        self._join(req)
+        self._reschedule()
+        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+            self.claim_while_room()  # members that finished at the boundary made room
+
+    # -- closed-form batch ---------------------------------------------------------------
+
+    def _align(self, now: float) -> None:
+        """Move the boundary to where a change made at `now` takes effect: the end of the step in progress."""
+        t, B = self.t, self.B
+        if B == 0:
+            self.t = max(t, now)  # an idle engine starts at once
+            return
+        if now <= t:
+            return  # already at a (future) boundary
+        # The whole steps done by `now` (T(n) <= now), then the step in progress (once per KV arrival)
+        a, b, C = self.a, self.b, self.C
+        alpha, beta = b * B / 2, a + b * C - b * B / 2
+        if alpha <= 0:
+            n = int((now - t) / beta) if beta > 0 else 0
+        else:
+            n = int((-beta + math.sqrt(beta * beta + 4 * alpha * (now - t))) / (2 * alpha))
+        while t + (n + 1) * a + b * ((n + 1) * C + B * (n + 1) * n / 2) <= now:  # T(n + 1)
+            n += 1
+        while n > 0 and t + n * a + b * (n * C + B * n * (n - 1) / 2) > now:  # T(n)
+            n -= 1
+        self._advance(n if t + n * a + b * (n * C + B * n * (n - 1) / 2) == now else n + 1)
+
+    def _advance(self, n: int) -> None:
+        if n <= 0:
+            return
+        t, B, a, b, C = self.t, self.B, self.a, self.b, self.C
+        if self.pending_first:
+            first = t + a + b * C  # T(1)
+            for m in self.pending_first:
+                m.req.first_t = first
+            self.pending_first.clear()
+        if self.segments is not None:
+            self.segments.append((self.k, t, C, B, a, b))
+        t_new = t + n * a + b * (n * C + B * n * (n - 1) / 2)  # T(n)
+        self.stream_s += (t_new - t) * B  # n steps of B streams: B tokens per step
+        self.tokens_out += n * B
+        k = self.k = self.k + n
+        self.C += B * n
+        self.t = t_new
+        ends = self.ends
+        while ends and ends[0][0] <= k:
+            self._leave(heapq.heappop(ends)[2], t_new)
+
+    def _release_tpot(self, req) -> None:
+        if self.headroom <= 0:
+            return
+        n = self.tpot_held[req.tpot_ms] - 1
+        if n:
+            self.tpot_held[req.tpot_ms] = n
+        else:
+            del self.tpot_held[req.tpot_ms]
+
+    def _leave(self, m: _Member, t_done: float) -> None:
+        req = m.req
+        self.B -= 1
+        self.C -= req.prompt_tokens + req.max_tokens
+        req.done_t = t_done
+        if self.segments is not None:
+            req.itl_s = self._itls(m.first_step, m.end_step)
+        if self.headroom > 0:  # _release_tpot, inlined
+            n = self.tpot_held[req.tpot_ms] - 1
+            if n:
+                self.tpot_held[req.tpot_ms] = n
+            else:
+                del self.tpot_held[req.tpot_ms]
+        self.sim.on_done(req)
+
+    def _join(self, req, produced: int = 0) -> None:
+        """Add a member at the current boundary; `produced` = tokens it already has (1 after a local prefill)."""
+        self.reserved -= req.prompt_tokens
+        first_step = self.k + 1 - produced
+        end_step = first_step + req.max_tokens - 1
+        if end_step <= self.k:  # a one-token request finished with its prefill
+            req.done_t = req.first_t
+            self._release_tpot(req)
+            self.sim.on_done(req)
+            return
+        m = _Member(req, first_step, end_step)
+        self._seq += 1
+        heapq.heappush(self.ends, (end_step, self._seq, m))
+        self.B += 1
+        self.C += req.prompt_tokens + produced
+        if not produced:
+            self.pending_first.append(m)
+
+    def busy(self) -> bool:
+        return self.stepping or self.B > 0
+
+    def neighbour_changed(self) -> None:
+        """The engine sharing this host started or stopped: steps after the one in progress change speed."""
+        if self.stepping or self.B == 0:
+            return  # stepped mode prices each step when it starts; an idle engine has nothing to rescale
+        self._align(self.sim.loop.now)
+        self._reschedule()
+        self.claim_while_room()
+
+    def _reschedule(self) -> None:
+        """Recompute when the next member finishes, after any change to the batch.
+
+        Most changes are joins, which only slow the batch down: the completion
+        moves later. Rather than push an event per change (and skip the stale
+        ones, a fifth of a big run's events), the worker keeps one wake-up
+        armed: it pushes a new one only when the completion moved earlier than
+        the armed one, and an early wake-up re-arms for the new time."""
+        loop = self.loop
+        if self.headroom > 0 and loop.now - self.pace_at >= PACE_READ_S:
+            self._read_pace()
+        B, C = self.B, self.C
+        if B == 0:
+            self.due = None
+            return
+        a, b = self._coeffs(B, C)
+        if self.neighbour is not None and self.neighbour.busy():
+            a *= self.sim.neighbour_slowdown
+            b *= self.sim.neighbour_slowdown
+        self.a, self.b = a, b
+        n = self.ends[0][0] - self.k
+        due = self.due = self.t + n * a + b * (n * C + B * n * (n - 1) / 2)  # T(n)
+        armed = self.armed
+        if armed is None or due < armed:
+            self.armed = due  # a wake-up armed later than this one is now stale
+            loop.at(due, self._complete_cb, due)
+
+    def _on_complete(self, at: float) -> None:
+        if at != self.armed:
+            return  # superseded by an earlier wake-up
+        self.armed = None
+        due = self.due
+        if due is None:
+            return  # the batch emptied or went to stepped mode
+        if due > at:  # the completion moved later since this wake-up was armed
+            self.armed = due
+            self.loop.at(due, self._complete_cb, due)
+            return
+        self._advance(self.ends[0][0] - self.k)
+        self._reschedule()
+        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+            self.claim_while_room()
+
+    # -- stepped mode: steps that prefill -------------------------------------------------------
+
+    def _start_mixed(self) -> None:
+        for req in self.joining:
+            self._join(req)
+        self.joining.clear()
+        started = [h for h in self.local if h.done > h.req.cached_tokens]
+        waiting = sorted((h for h in self.local if h.done == h.req.cached_tokens), key=lambda h: (h.req.priority, h.order))
+        order, shape = shape_step(self.shaper, started + waiting, self.B, self.sim)
+        budget = shape.tokens - self.B
+        held = len(order) + self.B
+        chunks, work = plan_chunks(order, budget, shape.prefill_cap if held > 1 else 0)
+        if self.B:
+            dur = self.perf.mixed_step_s(chunks, self.B, self.C)
+        else:
+            dur = self.perf.prefill_step_s(chunks)
+        if self.neighbour is not None and self.neighbour.busy():
+            dur *= self.sim.neighbour_slowdown
+        if self.segments is not None:
+            self.segments.append((self.k, self.t, 0, 0, dur, 0.0))
+        self.sim.loop.at(self.t + dur, self._mixed_done, work)
+
+    def _mixed_done(self, work) -> None:
+        now = self.sim.loop.now
+        for m in self.pending_first:
+            m.req.first_t = now
+        self.pending_first.clear()
+        self.stream_s += (now - self.t) * self.B
+        self.tokens_out += self.B
+        self.k += 1
+        self.C += self.B
+        self.t = now
+        ends = self.ends
+        while ends and ends[0][0] <= self.k:
+            self._leave(heapq.heappop(ends)[2], now)
+        for h, n in work:
+            if h.aborted:
+                continue
+            h.done += n
+            if h.done >= h.req.prompt_tokens:
+                self.local.remove(h)
+                self.local_tokens -= h.req.prompt_tokens
+                req = h.req
+                req.prefill_end = now
+                # Live (workers/decode.py, at the first token): meter the prompt, and take a
+                # colocated prompt off the backlog: it is no longer work ahead of anyone.
+                self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
+                if req.route == "colocated":
+                    self.sim.decode_q.release(req.tier, req.prompt_tokens)
+                req.first_t = now  # the step that finishes a prompt samples its first token
+                self._join(req, produced=1)
+        if self.headroom > 0 and now - self.pace_at >= PACE_READ_S:
+            self._read_pace()
+        self.claim_while_room()
+        if self.local or self.joining:
+            self._start_mixed()
+            return
+        self.stepping = False
+        if self.B and self.shaper.held:
+            self.shaper.shape((), self.B, now)  # the decode-only steps that follow hold nothing back
+        self._reschedule()
+
+    # -- per-token times (small runs) ----------------------------------------------------------
+
+    def _itls(self, first_step: int, end_step: int) -> list[float]:
+        """Gaps between this member's token times, from the recorded segments (closed form within each)."""
+        segs = self.segments
+        times = []
+        i = len(segs) - 1
+        for step in range(end_step, first_step - 1, -1):
+            while i > 0 and segs[i][0] >= step:
+                i -= 1
+            k0, t0, c0, b0, a, b = segs[i]
+            n = step - k0
+            times.append(t0 + n * a + b * (n * c0 + b0 * n * (n - 1) / 2))
+        times.reverse()
+        return [y - x for x, y in itertools.pairwise(times)]

@@ -1,0 +1,293 @@
+"""One simulated fleet: gateway, tier streams, prefill and decode workers, on one virtual clock.
+
+The gateway does what `gateway/prepare.py`, `gateway/app.py` and
+`gateway/admission.py` do with each request, calling the same policy:
+`resolve_slo` (tier and targets; the client's per-class targets arrive as
+x-slo-ttft-ms / x-slo-tpot-ms headers, as `skyline bench` sends them),
+`route` (with the prefill backlog the gateway's FleetView cached at its last
+refresh), and `scheduler.admission.decide` (`admit` on the backlog of the request's
+stage and tier, the prefill throughput of the live pool from the workers' heartbeats via
+`pool_rate`, the calibration's scale), `demoted` and `learn_ttft`. A refused request is
+a 429, as in the bench.
+
+Workers waiting for work queue in arrival order, as consumers blocked in
+XREADGROUP do: an entry goes to the longest-waiting worker with room; a
+worker that frees room claims while it has some (`prefill_worker.py`,
+`decode_worker.py`).
+
+Not modelled: Redis and network failures, cancellation by clients, the
+worker's stream reclaim (XAUTOCLAIM), heartbeat loss. The fleet's own hops
+(gateway, Redis, pub/sub: 4 ms measured by `skyline bench overhead`) are added
+to every token time as one constant.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from skyline.core.config import SkylineConfig, prefill_cap
+from skyline.scheduler.admission import TtftCalibration, decide, demoted, learn_ttft, pool_rate, stage_of
+from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
+from skyline.scheduler.disagg import DisaggPolicy, route
+from skyline.scheduler.preemption import PreemptionPolicy
+from skyline.scheduler.step_budget import background_tokens
+from skyline.scheduler.tiers import resolve_slo
+from skyline.tools.simulate.decode_worker import DecodeWorker
+from skyline.tools.simulate.events import EventLoop
+from skyline.tools.simulate.perf import PerfModel
+from skyline.tools.simulate.prefill_worker import PrefillWorker
+from skyline.tools.simulate.queues import StageQueues
+from skyline.tools.simulate.request import SimRequest
+
+FLEET_OVERHEAD_S = 0.004  # `skyline bench overhead`: added TTFT p50 of gateway -> Redis -> workers -> pub/sub
+PREEMPT_CHECK_S = RECHECK_S  # a full worker holding prompts re-checks the tier heads (as workers/runtime.py)
+FLEET_REFRESH_S = 1.0  # workers heartbeat their measured rate every second; the gateway reads them
+RATES_PER_REFRESH = 8  # meters read per refresh: bounds the cost of a 500-worker pool (documented staleness)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    mode: str  # "disagg" or "colocated"
+    prefill: int  # prefill workers (0 when colocated)
+    decode: int
+
+    def devices(self, perf_prefill: PerfModel, perf_decode: PerfModel) -> int:
+        return self.prefill * perf_prefill.devices + self.decode * perf_decode.devices
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P+{self.decode}D" if self.mode == "disagg" else f"{self.decode} colocated"
+
+
+class Simulation:
+    def __init__(self, cfg: SkylineConfig, fleet: FleetSpec, perf_prefill: PerfModel, perf_decode: PerfModel,
+                 record_itl: bool = False, allow_demotion: bool = False, overhead_s: float = FLEET_OVERHEAD_S,
+                 neighbour_slowdown: float = 1.0):
+        """`neighbour_slowdown` != 1: prefill worker i and decode worker i share one host's cores (as
+        `skyline up` places them on a 2-core machine), and a step of either costs that factor more
+        while the other engine is busy (measured by `skyline profile --handoff`)."""
+        if fleet.mode not in ("disagg", "colocated"):
+            raise ValueError(f"unknown fleet mode {fleet.mode!r}")
+        if fleet.decode < 1 or (fleet.mode == "disagg" and fleet.prefill < 1):
+            raise ValueError(f"a {fleet.mode} fleet needs workers: got {fleet.label}")
+        self.cfg, self.fleet = cfg, fleet
+        self.worker_cfg = cfg.worker
+        self.claim_room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
+        self.perf_prefill, self.perf_decode = perf_prefill, perf_decode
+        self.record_itl, self.allow_demotion, self.overhead_s = record_itl, allow_demotion, overhead_s
+        self.kv_lease_s = cfg.engine.kv_lease_s
+        # Each engine's per-request prompt-token cap per step (vLLM long_prefill_token_threshold),
+        # resolved against the model's own step size as the live worker resolves it against its engine's.
+        threshold = cfg.engine.long_prefill_token_threshold
+        self.prefill_cap = prefill_cap(threshold, perf_prefill.max_step_tokens)
+        self.decode_cap = prefill_cap(threshold, perf_decode.max_step_tokens)
+        # ... and its short steps while only looser-tier prompts compute (scheduler/step_budget.py).
+        self.prefill_background = background_tokens(cfg.engine.background_step_tokens, perf_prefill.max_step_tokens,
+                                                   "prefill")
+        self.decode_background = background_tokens(cfg.engine.background_step_tokens, perf_decode.max_step_tokens)
+        self.urgent_priority = min(t.priority for t in cfg.tiers)
+        self.max_held_steps = cfg.engine.hold_background_steps
+        w = cfg.worker
+        self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens,
+                                           self.prefill_cap, self.prefill_background, self.max_held_steps > 0)
+        self.decode_preemption = replace(self.preemption, step_tokens=perf_decode.max_step_tokens,
+                                         prefill_cap=self.decode_cap, background_tokens=self.decode_background)
+        self.loop = EventLoop()
+        self.tiers = cfg.tiers
+        order = tuple(t.name for t in sorted(cfg.tiers, key=lambda t: t.ttft_ms))
+        self.tier_rank = {name: i for i, name in enumerate(order)}
+        self.prefill_q = StageQueues("prefill", order)
+        self.decode_q = StageQueues("decode", order)
+        self.admission = cfg.admission_policy() if cfg.gateway.admission else None
+        self.calibration = TtftCalibration() if cfg.gateway.admission and cfg.gateway.ttft_calibration else None
+        g = cfg.gateway
+        self.disagg = DisaggPolicy(fleet.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
+        self.prefill_workers = [PrefillWorker(self, i) for i in range(fleet.prefill if fleet.mode == "disagg" else 0)]
+        self.decode_workers = [DecodeWorker(self, i) for i in range(fleet.decode)]
+        self.neighbour_slowdown = neighbour_slowdown
+        if neighbour_slowdown != 1.0:
+            for p, d in zip(self.prefill_workers, self.decode_workers):
+                p.neighbour, d.neighbour = d, p
+        self.prefill_ready: deque = deque(self.prefill_workers)
+        self.decode_ready: deque = deque(self.decode_workers)
+        for w in self.prefill_workers + self.decode_workers:
+            w.in_ready = True
+        # What the gateway's FleetView cached at its last refresh.
+        self.seen_rate: dict[str, float | None] = {"prefill": None, "decode": None}
+        self.seen_prefill_backlog = 0
+        self._refresh_next = {"prefill": 0, "decode": 0}
+        # The heartbeats as the gateway's FleetView lists them (role, measured tokens/s), for pool_rate.
+        self._view = SimpleNamespace(workers=[SimpleNamespace(role="prefill", tokens_per_s=0.0)
+                                              for _ in self.prefill_workers]
+                                     + [SimpleNamespace(role="decode", tokens_per_s=0.0) for _ in self.decode_workers])
+        self._preempt_armed = False
+        self.ranks_seen: set[int] = set()  # tiers admitted so far (one alone: no preemption possible)
+        self._slo_cache: dict = {}
+        self.counters = {"admitted": 0, "rejected": 0, "overloaded": 0, "demoted": 0, "preempted": 0,
+                         "completed": 0, "handle_expired": 0}
+        self.completed = 0
+
+    # -- the gateway ------------------------------------------------------------------------------
+
+    def _slo(self, req: SimRequest):
+        """resolve_slo is pure and depends on arrival only through the deadline: memoised per class of request."""
+        key = (req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)
+        slo = self._slo_cache.get(key)
+        if slo is None:
+            ttft = max(1, round(req.ttft_target_ms)) if req.ttft_target_ms < float("inf") else None
+            tpot = max(1, round(req.tpot_target_ms)) if req.tpot_target_ms < float("inf") else None
+            slo = self._slo_cache[key] = resolve_slo(self.tiers, self.cfg.default_tier, 0, tier=req.requested_tier,
+                                                     ttft_ms=ttft, tpot_ms=tpot)
+        return slo
+
+    def arrive(self, req: SimRequest) -> None:
+        now = self.loop.now
+        slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
+        req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
+        req.deadline = now + slo.ttft_ms / 1000
+        req.route = path = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
+        stage = stage_of(path)
+        if stage == "prefill":
+            q, ready = self.prefill_q, self.prefill_ready
+        else:
+            q, ready = self.decode_q, self.decode_ready
+        if self.admission is not None:
+            d, req.model_ttft_ms = decide(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, stage,
+                                          q.backlog, self.seen_rate[stage], self.calibration, self.allow_demotion)
+            if d.action in ("reject", "overloaded"):
+                self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
+                req.outcome = "rejected" if d.action == "reject" else "error"
+                req.decision = d.reason
+                return
+            if d.action == "demote":
+                slo = demoted(slo, self.cfg.tier(d.tier))
+                req.tier, req.priority = slo.tier, slo.priority
+                req.deadline = now + slo.ttft_ms / 1000
+                req.decision = "demote"
+                self.counters["demoted"] += 1
+        self.counters["admitted"] += 1
+        tier = req.tier
+        req.rank = rank = self.tier_rank[tier]
+        self.ranks_seen.add(rank)
+        q.backlog[tier] += req.prompt_tokens  # q.reserve and q.push, inlined (once per request)
+        q.queues[tier].append((req, None))
+        q.size += 1
+        # New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order); each
+        # claims if it has room and re-queues itself at the tail while it has room (a shielded worker that
+        # finds nothing it may take leaves the queue).
+        while q.size and ready:
+            w = ready.popleft()
+            w.in_ready = False
+            w.claim_while_room(1)
+        if q.size and self.preemption.enabled:
+            self._arm_preemption()
+
+    def to_decode(self, req: SimRequest, kv_from_prefill: bool) -> None:
+        """A prefill worker hands the request (and its KV handle) to the decode stage."""
+        q, ready = self.decode_q, self.decode_ready
+        q.queues[req.tier].append((req, self.loop.now if kv_from_prefill else None))  # q.push, inlined
+        q.size += 1
+        while q.size and ready:  # to the workers blocked longest, as in `arrive`
+            w = ready.popleft()
+            w.in_ready = False
+            w.claim_while_room(1)
+
+    def on_done(self, req: SimRequest) -> None:
+        req.finish(self.overhead_s)
+        self.completed += 1
+        if self.calibration is not None:  # the gateway's `learn` hook
+            learn_ttft(self.calibration, req.route, req.tier, req.model_ttft_ms, req.ttft_s * 1000)
+
+    # -- periodic fleet activity ----------------------------------------------------------------------
+
+    def _refresh(self, _arg=None) -> None:
+        """Heartbeats + the gateway's FleetView: measured prefill rates and the cached prefill backlog.
+
+        Every worker heartbeats the prefill rate its meter measured: prefill
+        workers over every prompt, decode workers over the prompts they
+        computed themselves (colocated routes), as `workers/runtime.py` does.
+        """
+        now_ms = int(self.loop.now * 1000)
+        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
+            if not pool:
+                continue
+            n, start = min(len(pool), RATES_PER_REFRESH), self._refresh_next[role]
+            for i in range(n):
+                w = pool[(start + i) % len(pool)]
+                w.rate_cache = (self.loop.now, w.meter.tokens_per_s(now_ms) or 0.0)
+            self._refresh_next[role] = (start + n) % len(pool)
+        view = self._view
+        for w, info in zip(self.prefill_workers + self.decode_workers, view.workers):
+            info.tokens_per_s = w.rate_cache[1]
+        self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
+        self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
+        self.loop.after(FLEET_REFRESH_S, self._refresh)
+
+    def _arm_preemption(self) -> None:
+        if not self._preempt_armed:
+            self._preempt_armed = True
+            self.loop.at(self.loop.now, self._preempt_tick)
+
+    def _preempt_tick(self, _arg=None) -> None:
+        """Every full worker holding prompts checks its stage's EDF head (live: at 20 Hz while full)."""
+        self._preempt_armed = False
+        for q, pool in ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)):
+            entry = q.head()
+            if entry is None:
+                continue
+            head_rank = entry[0].rank
+            for w in pool:
+                held = w.held if pool is self.prefill_workers else w.local
+                if held and not w.has_room() and any(h.req.rank > head_rank for h in held):
+                    head = q.head()  # an earlier worker's preemption may have changed it
+                    if head is not None and w.preempt(head[0], claimed=False):
+                        w.claim_while_room()
+        if self.prefill_q.size or self.decode_q.size:
+            self._preempt_armed = True
+            self.loop.after(PREEMPT_CHECK_S, self._preempt_tick)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest], drain_s: float) -> float:
+        """Serve `requests` (sorted by send time); returns the bench's duration (first send to last
+        completion, or to the drain deadline when stragglers were cut)."""
+        if not requests:
+            return 0.0
+        self._refresh()
+        end = requests[-1].send_at + drain_s
+        self.loop.run(end, ((r.send_at, r) for r in requests), self.arrive)
+        finished = [r.done_t for r in requests if r.outcome == "ok"]
+        cut = any(r.outcome == "cancelled" for r in requests)
+        return end if cut or not finished else max(finished) + self.overhead_s
+
+    def describe(self) -> dict:
+        return {"fleet": self.fleet.label, "mode": self.fleet.mode, "prefill_workers": len(self.prefill_workers),
+                "decode_workers": len(self.decode_workers),
+                "devices": self.fleet.devices(self.perf_prefill, self.perf_decode), "counters": dict(self.counters)}
+
+
+def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,
+                   max_running: int | None = None, min_remote_prefill_tokens: int | None = None,
+                   tpot_headroom: float | None = None, long_prefill_token_threshold: int | None = None,
+                   background_step_tokens: int | None = None, hold_background_steps: int | None = None) -> SkylineConfig:
+    """The config the simulated fleet runs with, after command-line overrides."""
+    if long_prefill_token_threshold is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, long_prefill_token_threshold=long_prefill_token_threshold))
+    if background_step_tokens is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, background_step_tokens=background_step_tokens))
+    if hold_background_steps is not None:
+        cfg = replace(cfg, engine=replace(cfg.engine, hold_background_steps=hold_background_steps))
+    if admission is not None:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, admission=admission))
+    if min_remote_prefill_tokens is not None:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, min_remote_prefill_tokens=min_remote_prefill_tokens))
+    worker = cfg.worker
+    if preemption is not None:
+        worker = replace(worker, preemption=preemption)
+    if max_running is not None:
+        worker = replace(worker, max_running=max_running)
+    if tpot_headroom is not None:
+        worker = replace(worker, tpot_headroom=tpot_headroom)
+    return replace(cfg, worker=worker)

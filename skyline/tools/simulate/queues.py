@@ -1,0 +1,98 @@
+"""The tier streams of one stage, in memory: FIFO per tier, EDF across tiers, and the backlog counters.
+
+Mirrors `skyline.core.streams.TierQueues` and the `skyline:backlog` hash: a worker
+compares the heads of the tier queues and claims from the one that
+`scheduler.edf.pick_tier` names. New entries go to the tail; a preempted
+request goes to its tier's retry lane with its original deadline (as the
+live worker re-XADDs it to `skyline:{stage}:<tier>:retry`), and a tier's head
+is the earlier-due of its queue's and its retry lane's (a tie, to the ms, goes
+to the retry lane: `scheduler.edf.retry_first`). Work that still needs its prompt computed adds its prompt
+tokens to the stage's backlog when enqueued (or when admission reserved
+them) and removes them when acked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.tools.simulate.request import SimRequest
+
+
+class StageQueues:
+    __slots__ = ("backlog", "queues", "retry", "retry_size", "size", "stage", "tier_order")
+
+    def __init__(self, stage: str, tier_order: tuple[str, ...]):
+        self.stage = stage
+        self.tier_order = tier_order  # strictest first: EDF ties go to it
+        self.queues: dict[str, deque] = {t: deque() for t in tier_order}
+        self.retry: dict[str, deque] = {t: deque() for t in tier_order}  # work returned to the queue
+        self.backlog: dict[str, int] = {t: 0 for t in tier_order}  # prompt tokens admitted, not yet prefilled
+        self.size = 0
+        self.retry_size = 0
+
+    def push(self, req: SimRequest, item) -> None:
+        self.queues[req.tier].append(item)
+        self.size += 1
+
+    def push_retry(self, req: SimRequest, item) -> None:
+        """A preempted request, back with its original deadline: ahead of its tier's newer entries."""
+        self.retry[req.tier].append(item)
+        self.size += 1
+        self.retry_size += 1
+
+    def _lane(self, tier: str) -> deque | None:
+        """The queue holding `tier`'s next entry (None when the tier has none): `scheduler.edf.retry_first`
+        on the two heads' deadlines in ms, as the live worker sees them in the streams."""
+        main, retry = self.queues[tier], self.retry[tier]
+        if not retry:
+            return main or None
+        if main and not retry_first(int(retry[0][0].deadline * 1000), int(main[0][0].deadline * 1000)):
+            return main
+        return retry
+
+    def heads(self) -> dict[str, int]:
+        """Deadline (ms) of each non-empty tier's head, as a worker's peek sees them."""
+        out = {}
+        for t in self.tier_order:
+            lane = self._lane(t)
+            if lane is not None:
+                out[t] = int(lane[0][0].deadline * 1000)
+        return out
+
+    def head(self):
+        """The entry EDF serves next, without claiming it (None when empty)."""
+        if not self.size:
+            return None
+        return self._lane(pick_tier(self.heads(), self.tier_order))[0]
+
+    def claim(self, max_rank: int | None = None):
+        """Take the entry EDF serves next (None when empty), among the tiers of rank <= `max_rank` if given."""
+        if not self.size:
+            return None
+        if self.retry_size or max_rank is not None:
+            heads = self.heads()
+            if max_rank is not None:
+                allowed = self.tier_order[: max_rank + 1]
+                heads = {t: d for t, d in heads.items() if t in allowed}
+            if not heads:
+                return None
+            lane = self._lane(pick_tier(heads, self.tier_order))
+            self.size -= 1
+            if lane is not self.queues[lane[0][0].tier]:
+                self.retry_size -= 1
+            return lane.popleft()
+        self.size -= 1
+        only = None
+        for q in self.queues.values():
+            if q:
+                if only is not None:  # several tiers waiting: the EDF policy chooses
+                    return self.queues[pick_tier(self.heads(), self.tier_order)].popleft()
+                only = q
+        return only.popleft()  # one tier waiting: pick_tier would name it (the hot path of a big fleet)
+
+    def reserve(self, tier: str, tokens: int) -> None:
+        self.backlog[tier] += tokens
+
+    def release(self, tier: str, tokens: int) -> None:
+        self.backlog[tier] -= tokens

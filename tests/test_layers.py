@@ -1,0 +1,154 @@
+"""The import contract: the layers of skyline/__init__.py hold, and every environment variable
+is registered in skyline/core/envs.py.
+
+Imports are read from the source (every `import`, also inside functions and TYPE_CHECKING
+blocks), so a lazy import cannot slip past. A rule broken here names the importing file and
+the import; where an import against the layers is right, the exception belongs in ALLOWED
+with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from skyline.core.envs import ENVS
+
+ROOT = Path(__file__).resolve().parent.parent
+# Where each package's source lives (pyproject.toml's package-dir).
+SOURCES = {"skyline": ROOT / "skyline", "skyline.gateway": ROOT / "gateway",
+           "skyline.scheduler": ROOT / "scheduler", "skyline.workers": ROOT / "workers"}
+
+# Layer of each top-level part, lowest first: a module may import its own part and lower
+# layers, never a higher one, and processes (layer 2) never import each other.
+LAYERS = {"skyline.scheduler": 0, "skyline.core": 1, "skyline.gateway": 2, "skyline.workers": 2,
+          "skyline.batch": 2, "skyline.tools": 3, "skyline.cli": 4, "skyline": 4}
+
+ALLOWED = {
+    # The gateway serves the OpenAI Batch API over the batch package's data: its input format,
+    # its objects and their Redis store (and RQ enqueue). The runner's own code stays out.
+    ("skyline.gateway", "skyline.batch.jsonl"), ("skyline.gateway", "skyline.batch.objects"),
+    ("skyline.gateway", "skyline.batch.store"), ("skyline.gateway", "skyline.batch.jobs"),
+}
+
+# Within the tools: the simulator runs the policy code, never the gateway's I/O stack.
+FORBIDDEN_WITHIN = {("skyline.tools.simulate", "skyline.gateway")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if pkg == "skyline" and parts and parts[0] in ("gateway", "scheduler", "workers"):
+                continue  # not there: those live in their own folders
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+def _imports(path: Path, module: str, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.rsplit(".", node.level)[0]
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            submodules = [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in modules]
+            found += [(node.lineno, n) for n in submodules or [name]]  # `from pkg import module`: the module
+    return found
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "skyline"
+    return ".".join(parts[:2])
+
+
+def _tool(module: str) -> str:
+    return ".".join(module.split(".")[:3])
+
+
+def _violations() -> list[str]:
+    modules = _modules()
+    bad = []
+    for mod, path in sorted(modules.items()):
+        here = _part(mod)
+        for line, name in _imports(path, mod, modules):
+            where = f"{path.relative_to(ROOT)}:{line} imports {name}"
+            if here == "skyline.scheduler" and not name.startswith("skyline.scheduler"):
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "__future__":
+                    bad.append(f"{where}: scheduler/ is pure policy, stdlib only")
+                    continue
+            if not name.startswith("skyline.") or name not in modules:
+                continue
+            there = _part(name)
+            if there == here or any(here == a and name == b for a, b in ALLOWED):
+                continue
+            if any(_tool(mod).startswith(a) and name.startswith(b) for a, b in FORBIDDEN_WITHIN):
+                bad.append(f"{where}: {a} must not import {b}")
+            elif LAYERS[there] > LAYERS[here]:
+                bad.append(f"{where}: layer {here} ({LAYERS[here]}) imports the higher {there} ({LAYERS[there]})")
+            elif LAYERS[there] == LAYERS[here] == 2:
+                bad.append(f"{where}: processes do not import each other ({here} -> {there})")
+    return bad
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted(m for m in _modules() if _part(m) not in LAYERS)
+    assert not unknown, f"modules outside the layers of skyline/__init__.py: {unknown}"
+
+
+def test_imports_follow_the_layers():
+    bad = _violations()
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_contract_catches_an_import_against_the_layers(tmp_path, monkeypatch):
+    # The check itself: a core module that imports a tool is reported.
+    core = tmp_path / "skyline"
+    (core / "core").mkdir(parents=True)
+    (core / "tools").mkdir()
+    (core / "core" / "bad.py").write_text("def f():\n    from skyline.tools.status import main\n")
+    (core / "tools" / "status.py").write_text("def main(): pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setitem(SOURCES, "skyline", core)
+    for pkg in ("skyline.gateway", "skyline.scheduler", "skyline.workers"):
+        monkeypatch.setitem(SOURCES, pkg, tmp_path / "empty")
+    bad = _violations()
+    assert len(bad) == 1 and "skyline/core/bad.py:2 imports skyline.tools.status" in bad[0], bad
+
+
+ENV_NAME = re.compile(r"\bSKYLINE_[A-Z0-9_]*[A-Z0-9]\b")
+DIRECT_READ = re.compile(r"""os\.(environ\.get\(|environ\[|getenv\()\s*["']SKYLINE_""")
+
+
+def _tracked_text_files() -> list[Path]:
+    names = subprocess.check_output(["git", "ls-files"], cwd=ROOT, text=True).split()
+    keep = re.compile(r"\.(py|md|toml|yaml|yml|sh|txt|html)$|(^|/)Makefile$|^\.ci/run$")
+    return [ROOT / n for n in names if keep.search(n) and not n.startswith("benchmarks/") and (ROOT / n).is_file()]
+
+
+def test_every_environment_variable_is_registered_and_read_through_the_registry():
+    unregistered, direct = [], []
+    for path in _tracked_text_files():
+        text = path.read_text(errors="replace")
+        for name in set(ENV_NAME.findall(text)):
+            if name not in ENVS:
+                unregistered.append(f"{path.relative_to(ROOT)}: {name}")
+        if path.suffix == ".py" and path.name != "envs.py":
+            for i, line in enumerate(text.splitlines(), 1):
+                if DIRECT_READ.search(line):
+                    direct.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not unregistered, "SKYLINE_* names missing from skyline/core/envs.py:\n" + "\n".join(unregistered)
+    assert not direct, "read these through skyline.core.envs:\n" + "\n".join(direct)

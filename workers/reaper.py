@@ -1,0 +1,94 @@
+"""Take over the work of workers that died or stalled.
+
+An entry a worker claimed stays in its stage's pending list (PEL) until the
+worker acks it. When the worker is killed, that entry would wait forever; the
+reaper, run by every live worker of the stage, finds such entries and claims
+them for itself.
+
+Why not plain XAUTOCLAIM with an idle time: an entry's idle time is the time
+since it was delivered, and a live decode worker legitimately holds an entry
+for as long as the generation lasts (minutes for a long answer). Idle time
+alone cannot tell a busy worker from a dead one. So the reaper asks the
+worker registry (the heartbeat ZSET) who is alive and claims only entries of
+consumers silent for `after_s`, and only entries idle at least as long, with
+XCLAIM's own min-idle check: when two reapers race for one entry, the first
+XCLAIM resets its idle time and the second claims nothing.
+
+Consumers that are gone and hold nothing are removed from the group (never
+one with pending entries), so `XINFO CONSUMERS` lists the fleet as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from skyline.core import messages
+from skyline.core.keys import Keys
+from skyline.core.streams import Claimed, TierQueues
+
+log = logging.getLogger("skyline.reaper")
+
+
+@dataclass
+class Reclaimed:
+    claimed: Claimed
+    deliveries: int  # including this one
+    previous_owner: str
+
+
+async def live_workers(r: aioredis.Redis, keys: Keys, within_s: float) -> set[str]:
+    """Worker ids that heartbeated within the last `within_s` seconds."""
+    members = await r.zrangebyscore(keys.workers, time.time() - within_s, "+inf")
+    return {m.decode() if isinstance(m, bytes) else m for m in members}
+
+
+async def reclaim(queues: TierQueues, after_s: float, limit: int) -> list[Reclaimed]:
+    """Claim up to `limit` entries of this stage held by consumers silent for `after_s`."""
+    r, group, me = queues.r, queues.group, queues.consumer
+    if limit <= 0:
+        return []
+    live = await live_workers(r, queues.keys, after_s) | {me}
+    idle_ms = int(after_s * 1000)
+    out: list[Reclaimed] = []
+    for tier, key in queues.lanes:
+        pending = await r.xpending_range(key, group, min="-", max="+", count=max(limit * 4, 16), idle=idle_ms)
+        stale = [p for p in pending if _s(p["consumer"]) not in live]
+        if not stale:
+            continue
+        stale = stale[: limit - len(out)]
+        owners = {_s(p["message_id"]): (_s(p["consumer"]), int(p["times_delivered"])) for p in stale}
+        entries = await r.xclaim(key, group, me, min_idle_time=idle_ms, message_ids=list(owners))
+        for entry_id, fields in entries:
+            eid = _s(entry_id)
+            owner, delivered = owners.get(eid, ("?", 0))
+            if not fields:  # trimmed from the stream while pending: nothing left to run
+                await r.xack(key, group, eid)
+                log.warning("dropped pending entry %s of %s: no longer in %s", eid, owner, key)
+                continue
+            claimed = Claimed(key, eid, tier, messages.decode(fields[b"msg"]), int(fields.get(b"prefill_tokens", 0)))
+            out.append(Reclaimed(claimed, delivered + 1, owner))
+        if len(out) >= limit:
+            break
+    return out
+
+
+async def forget_departed(queues: TierQueues, after_s: float) -> list[str]:
+    """Remove consumers that are not alive, were idle for `after_s` and hold no entries."""
+    r, group = queues.r, queues.group
+    live = await live_workers(r, queues.keys, after_s) | {queues.consumer}
+    removed = []
+    for _tier, key in queues.lanes:
+        for c in await r.xinfo_consumers(key, group):
+            name = _s(c["name"])
+            if name not in live and int(c["pending"]) == 0 and int(c["idle"]) >= after_s * 1000:
+                await r.xgroup_delconsumer(key, group, name)
+                removed.append(name)
+    return removed
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
