@@ -44,3 +44,104 @@ def test_sample_config_in_deploy_documents_every_option():
         text = path.read_text()
         missing = {n for n in expected - documented if f"# {n} =" not in text}
         assert not missing, f"[{section}] options missing from deploy/skyline.toml: {missing}"
+
+
+def _load(tmp_path, text: str):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    return load_config(f)
+
+
+@pytest.mark.parametrize("text, message", [
+    # types: TOML gives strings where numbers belong, numbers where strings do
+    ('[gateway]\nport = "8000"\n', "[gateway] port = '8000': expected an integer"),
+    ("[engine]\nkv_cache_gib = true\n", "[engine] kv_cache_gib = True: expected a number"),
+    ("[gateway]\nsheddable_tiers = [1]\n", "[gateway] sheddable_tiers = (1,): expected an array of strings"),
+    ("[engine]\nnixl_port = \"x\"\n", "[engine] nixl_port = 'x': expected an integer (or unset)"),
+    # ranges and choices
+    ("[gateway]\nport = 70000\n", "[gateway] port = 70000: must be from 0 to 65535"),
+    ("[worker]\nkv_watermark = 1.5\n", "[worker] kv_watermark = 1.5: must be above 0 and at most 1"),
+    ("[worker]\nmax_running = 0\n", "[worker] max_running = 0: must be at least 1"),
+    ("[engine]\nkv_cache_gib = -1\n", "[engine] kv_cache_gib = -1: must be at least 0"),
+    ("[engine]\ngpu_memory_utilization = 0\n", "[engine] gpu_memory_utilization = 0: must be above 0 and at most 1"),
+    ("[engine]\nmax_num_batched_tokens = -5\n", "[engine] max_num_batched_tokens = -5: must be at least 0"),
+    ('[gateway]\nmode = "disaggregated"\n', "[gateway] mode = 'disaggregated': must be one of disagg, colocated"),
+    ('[observability]\nlog_format = "xml"\n', "[observability] log_format = 'xml': must be one of text, json"),
+    ('key_prefix = "my app"\n', "key_prefix = 'my app': must be non-empty"),
+    ("[tiers.fast]\nttft_ms = 0\ntpot_ms = 10\npriority = 0\n", "[tiers.fast] ttft_ms = 0: must be a positive integer"),
+    ("[tiers.fast]\nttft_ms = 100\npriority = 0\n", "[tiers.fast]: missing tpot_ms"),
+    ("[tiers.fast]\nttft_ms = 100\ntpot_ms = 10\npriority = 0\nslo = 1\n", "[tiers.fast]: unknown option(s) slo"),
+    # rules between values
+    ("[worker]\nheartbeat_s = 5.0\nheartbeat_ttl_s = 4.0\n", "[worker] heartbeat_ttl_s = 4.0 must exceed heartbeat_s = 5.0"),
+    ("[gateway]\nworker_liveness_s = 30.0\n", "[gateway] worker_liveness_s = 30.0 must be at most [worker] heartbeat_ttl_s"),
+    ("[gateway]\nfirst_frame_timeout_s = 400.0\n", "first_frame_timeout_s = 400.0 must be at most request_timeout_s"),
+    ("[gateway]\nrequest_timeout_s = 1000.0\n", "[redis] run_ttl_s = 900 must exceed [gateway] request_timeout_s"),
+    ("[batch]\nmin_concurrency = 8\nstart_concurrency = 4\n", "must be min <= start <= max"),
+    ("[batch]\nfill_tokens = 4096\n", "[batch] fill_tokens = 4096 must be at most backoff_tokens = 2048"),
+    ('[gateway]\nsheddable_tiers = ["interactiv"]\n', "sheddable_tiers names 'interactiv', which is not one of the tiers"),
+    ('[batch]\ntier = "bulk"\n', "[batch] tier = 'bulk' is not one of the tiers"),
+    ('default_tier = "fast"\n', "default_tier = 'fast' is not one of the tiers"),
+    ("[engine]\nlong_prefill_token_threshold = 512\n",
+     "[engine] long_prefill_token_threshold = 512 must be at most max_num_batched_tokens = 256"),
+])
+def test_a_bad_value_is_refused_at_load_naming_its_key(tmp_path, text, message):
+    with pytest.raises(ValueError) as caught:
+        _load(tmp_path, text)
+    assert message in str(caught.value), str(caught.value)
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        _load(tmp_path, "[gateway]\nport = 70000\n[worker]\nmax_running = 0\n")
+    assert "[gateway] port" in str(caught.value) and "[worker] max_running" in str(caught.value)
+
+
+def test_flags_are_checked_like_the_file():
+    with pytest.raises(ValueError, match=r"\[gateway\] port = 123456"):
+        load_config(None, {"gateway": {"port": 123456}})
+
+
+def test_the_shipped_configs_load(tmp_path):
+    from pathlib import Path
+
+    deploy = Path(__file__).parents[1] / "deploy"
+    for name in ("skyline.toml", "skyline-gpu.toml"):
+        load_config(deploy / name)
+
+
+def test_a_sim_engine_steps_what_its_config_says():
+    # One place for the defaults: the sim engine's timing and step size come from the engine config.
+    from skyline.core.config import EngineConfig
+    from skyline.workers.engines.sim import SimTiming
+    from skyline.workers.main import build_engine
+
+    assert SimTiming() == SimTiming.of(EngineConfig())
+    engine = build_engine(EngineConfig(kind="sim", max_num_batched_tokens=128, sim_decode_base_s=0.002), "")
+    assert engine.timing.max_batch_tokens == 128 and engine.timing.decode_base_s == 0.002
+    assert build_engine(EngineConfig(kind="sim"), "").timing.max_batch_tokens == EngineConfig().max_num_batched_tokens
+
+
+def test_the_kubernetes_config_is_the_gpu_preset():
+    # deploy/kubernetes/config.yaml inlines deploy/skyline-gpu.toml (a ConfigMap cannot load a file
+    # from outside its kustomization); what Kubernetes adds is the bind address, ports and the prefix.
+    import dataclasses
+    import tomllib
+    from pathlib import Path
+
+    import yaml
+
+    deploy = Path(__file__).parents[1] / "deploy"
+    preset = tomllib.loads((deploy / "skyline-gpu.toml").read_text())
+    docs = list(yaml.safe_load_all((deploy / "kubernetes" / "config.yaml").read_text()))
+    configmap = tomllib.loads(next(d for d in docs if d and d["kind"] == "ConfigMap")["data"]["skyline.toml"])
+    k8s_only = {("gateway", "host"), ("gateway", "port"), ("worker", "metrics_port")}
+    for section, values in preset.items():
+        for key, value in values.items():
+            assert configmap.get(section, {}).get(key) == value, f"[{section}] {key}: {value!r} in the preset"
+    for section, values in configmap.items():
+        for key in values if isinstance(values, dict) else ():
+            assert key in preset.get(section, {}) or (section, key) in k8s_only, f"[{section}] {key} not in the preset"
+    gpu, cpu = load_config(deploy / "skyline-gpu.toml"), load_config()
+    assert gpu.engine.dtype != "float32" and gpu.engine.kv_cache_gib == 0  # not the CPU defaults
+    assert dataclasses.replace(gpu.engine, **{f.name: getattr(cpu.engine, f.name) for f in dataclasses.fields(cpu.engine)
+                                               if f.name not in preset["engine"]}) == gpu.engine

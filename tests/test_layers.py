@@ -152,3 +152,39 @@ def test_every_environment_variable_is_registered_and_read_through_the_registry(
                     direct.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not unregistered, "SKYLINE_* names missing from skyline/core/envs.py:\n" + "\n".join(unregistered)
     assert not direct, "read these through skyline.core.envs:\n" + "\n".join(direct)
+
+
+def _expand(pattern: str) -> list[str]:
+    """`a/{b,c}.py` -> [a/b.py, a/c.py]."""
+    m = re.search(r"\{([^}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def _source_files() -> set[str]:
+    return {str(p.relative_to(ROOT)) for p in _modules().values() if p.name != "__init__.py"}
+
+
+def test_the_module_map_names_every_module_and_nothing_else():
+    doc = (ROOT / "docs" / "modules.md").read_text()
+    named = {x for cell in re.findall(r"`([\w/{},.]+\.py)`", doc) for x in _expand(cell) if "/" in x}
+    # A row may name two modules of one folder as `a/b.py`, `c.py`.
+    for row in re.findall(r"^\| `([\w/]+/)[\w]+\.py`, `([\w]+\.py)`", doc, re.M):
+        named.add(row[0] + row[1])
+    missing, stale = _source_files() - named, {n for n in named if not (ROOT / n).exists()}
+    assert not missing, f"modules missing from docs/modules.md: {sorted(missing)}"
+    assert not stale, f"docs/modules.md names modules that do not exist: {sorted(stale)}"
+
+
+def test_the_readme_module_map_matches_the_tree():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Module map"):readme.index("## Tests")]
+    named = set()
+    for cell in re.findall(r"`([\w/{},.]+)`", section):
+        for path in _expand(cell):
+            if path.endswith(".py") or path.endswith("/"):
+                assert (ROOT / path).exists(), f"README's module map names {path}, which does not exist"
+                named.add(path)
+    covered = {f for f in _source_files() if f in named or any(f.startswith(d) for d in named if d.endswith("/"))}
+    assert covered == _source_files(), f"modules the README's map leaves out: {sorted(_source_files() - covered)}"

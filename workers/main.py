@@ -19,14 +19,13 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
     if ec.kind == "sim":
         from skyline.workers.engines.sim import SimEngine, SimTiming
 
-        return SimEngine(
-            SimTiming(ec.sim_prefill_base_s, ec.sim_prefill_per_token_s, ec.sim_decode_base_s, ec.sim_decode_per_seq_s)
-        )
+        return SimEngine(SimTiming.of(ec))
     if ec.kind == "vllm":
         from skyline.workers.engines.vllm_engine import VllmEngine
 
         return VllmEngine(
             model=model_path, dtype=ec.dtype, max_model_len=ec.max_model_len, kv_cache_gib=ec.kv_cache_gib,
+            gpu_memory_utilization=ec.gpu_memory_utilization,
             cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or free_port(), kv_lease_s=ec.kv_lease_s,
             engine_nice=ec.engine_nice, kv_transfer=ec.kv_transfer, max_num_batched_tokens=ec.max_num_batched_tokens or None,
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from skyline.core.config_rules import ConfigError, check
 from skyline.scheduler.admission import AdmissionPolicy
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
@@ -68,7 +69,10 @@ class EngineConfig:
     # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row
     # before sharing one; 0 = never (vLLM's order: running prompts first).
     hold_background_steps: int = 16
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # KV cache per engine. On CPU it is all vLLM gets (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM sizes it
+    # itself: on a GPU, from gpu_memory_utilization and what the weights leave (deploy/skyline-gpu.toml).
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory vLLM may use when kv_cache_gib = 0
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
     # measured here a 2-core colocated engine with the connector loaded stalled
@@ -272,7 +276,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         if name in data:
             changes[name] = _make(cls, getattr(cfg, name), data[name], name)
     if "tiers" in data:
-        changes["tiers"] = tuple(Tier(name=n, **v) for n, v in data["tiers"].items())
+        changes["tiers"] = tuple(_tier(n, v) for n, v in data["tiers"].items())
     for key in ("default_tier", "key_prefix"):
         if key in data:
             changes[key] = data[key]
@@ -280,9 +284,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     if cfg.gateway.api_key_file:
         cfg = replace(cfg, gateway=replace(cfg.gateway, api_keys=cfg.gateway.api_keys
                                            + read_key_file(cfg.gateway.api_key_file)))
-    if cfg.default_tier not in cfg.tier_names:
-        raise ValueError(f"default_tier {cfg.default_tier!r} is not one of the tiers {cfg.tier_names}")
+    check(cfg)  # types, ranges and the rules between values, each problem named by its key
     return cfg
+
+
+def _tier(name: str, values: dict[str, Any]) -> Tier:
+    known = {f.name for f in fields(Tier)} - {"name"}
+    unknown, missing = set(values) - known, {"ttft_ms", "tpot_ms", "priority"} - set(values)
+    if unknown or missing:
+        raise ConfigError(f"[tiers.{name}]: " + "; ".join(
+            ([f"unknown option(s) {', '.join(sorted(unknown))}"] if unknown else [])
+            + ([f"missing {', '.join(sorted(missing))}"] if missing else [])))
+    return Tier(name=name, **values)
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -295,7 +308,7 @@ def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = set(values) - known
     if unknown:
-        raise ValueError(f"unknown option(s) in [{section}]: {', '.join(sorted(unknown))}")
+        raise ConfigError(f"unknown option(s) in [{section}]: {', '.join(sorted(unknown))}")
     # TOML arrays arrive as lists; frozen configs hold tuples.
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return replace(base, **values)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from skyline.core.config import EngineConfig
 from skyline.workers.engines.base import (
     Engine,
     EngineRequest,
@@ -40,15 +41,26 @@ _TEXT = (
 )
 
 
+_DEFAULTS = EngineConfig()  # the defaults live in the config, once
+# vLLM's own step size where the config leaves it to vLLM (max_num_batched_tokens = 0).
+VLLM_DEFAULT_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class SimTiming:
-    prefill_base_s: float = 0.005
-    prefill_per_token_s: float = 0.0001
-    decode_base_s: float = 0.01
-    decode_per_seq_s: float = 0.001
+    prefill_base_s: float = _DEFAULTS.sim_prefill_base_s
+    prefill_per_token_s: float = _DEFAULTS.sim_prefill_per_token_s
+    decode_base_s: float = _DEFAULTS.sim_decode_base_s
+    decode_per_seq_s: float = _DEFAULTS.sim_decode_per_seq_s
     # Prompt tokens per prefill step (chunked prefill): a long prompt takes
     # several steps, so an abort frees the engine within one chunk.
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = _DEFAULTS.max_num_batched_tokens
+
+    @classmethod
+    def of(cls, ec: EngineConfig) -> SimTiming:
+        """The timing an engine config describes: its sim_* times and its step size."""
+        return cls(ec.sim_prefill_base_s, ec.sim_prefill_per_token_s, ec.sim_decode_base_s, ec.sim_decode_per_seq_s,
+                   ec.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS)
 
 
 @dataclass

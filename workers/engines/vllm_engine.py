@@ -67,6 +67,7 @@ class VllmEngine(Engine):
         dtype: str = "float32",
         max_model_len: int | None = 2048,
         kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.9,
         cpu_bind: str | None = None,
         nixl_port: int | None = None,
         nixl_host: str | None = None,
@@ -87,7 +88,8 @@ class VllmEngine(Engine):
         self.engine_nice = engine_nice
         self.dtype = dtype
         self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
+        self.kv_cache_gib = kv_cache_gib  # 0 = vLLM sizes the cache (gpu_memory_utilization on GPUs)
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.cpu_bind = cpu_bind
         self.nixl_port = nixl_port
         self.nixl_host = nixl_host
@@ -163,13 +165,15 @@ class VllmEngine(Engine):
             model=self.model,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
+            gpu_memory_utilization=self.gpu_memory_utilization,
             scheduling_policy=self.scheduling_policy,
             kv_transfer_config=kv_cfg,
             disable_log_stats=False,  # scheduler stats feed stats()
             enable_logging_iteration_details=True,  # each step's tokens and time feed on_step
             enforce_eager=(not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager,
         )
+        if self.kv_cache_gib > 0:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         if self.enable_chunked_prefill is not None:
             kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
         if self.max_num_batched_tokens is not None:
