@@ -95,8 +95,9 @@ def _violations() -> list[str]:
             there = _part(name)
             if there == here or any(here == a and name == b for a, b in ALLOWED):
                 continue
-            if any(_tool(mod).startswith(a) and name.startswith(b) for a, b in FORBIDDEN_WITHIN):
-                bad.append(f"{where}: {a} must not import {b}")
+            forbidden = [(a, b) for a, b in FORBIDDEN_WITHIN if _tool(mod).startswith(a) and name.startswith(b)]
+            if forbidden:
+                bad.append(f"{where}: {forbidden[0][0]} must not import {forbidden[0][1]}")
             elif LAYERS[there] > LAYERS[here]:
                 bad.append(f"{where}: layer {here} ({LAYERS[here]}) imports the higher {there} ({LAYERS[there]})")
             elif LAYERS[there] == LAYERS[here] == 2:
@@ -114,19 +115,26 @@ def test_imports_follow_the_layers():
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
-def test_the_contract_catches_an_import_against_the_layers(tmp_path, monkeypatch):
-    # The check itself: a core module that imports a tool is reported.
+def test_the_contract_catches_imports_against_the_layers(tmp_path, monkeypatch):
+    # The check itself: a core module that imports a tool, and the simulator importing the gateway.
     core = tmp_path / "skyline"
     (core / "core").mkdir(parents=True)
     (core / "tools").mkdir()
     (core / "core" / "bad.py").write_text("def f():\n    from skyline.tools.status import main\n")
     (core / "tools" / "status.py").write_text("def main(): pass\n")
+    (core / "tools" / "simulate").mkdir()
+    (core / "tools" / "simulate" / "fleet.py").write_text("from skyline.gateway import app\n")
+    (tmp_path / "gw").mkdir()
+    (tmp_path / "gw" / "app.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setitem(SOURCES, "skyline", core)
-    for pkg in ("skyline.gateway", "skyline.scheduler", "skyline.workers"):
+    monkeypatch.setitem(SOURCES, "skyline.gateway", tmp_path / "gw")
+    for pkg in ("skyline.scheduler", "skyline.workers"):
         monkeypatch.setitem(SOURCES, pkg, tmp_path / "empty")
-    bad = _violations()
-    assert len(bad) == 1 and "skyline/core/bad.py:2 imports skyline.tools.status" in bad[0], bad
+    bad = sorted(_violations())
+    assert len(bad) == 2, bad
+    assert "skyline/core/bad.py:2 imports skyline.tools.status: layer skyline.core (1) imports the higher" in bad[0]
+    assert "skyline/tools/simulate/fleet.py:1 imports skyline.gateway.app: skyline.tools.simulate must not" in bad[1]
 
 
 ENV_NAME = re.compile(r"\bSKYLINE_[A-Z0-9_]*[A-Z0-9]\b")
