@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.fleet import Fleet
+from tests.procs import descendants, wait_gone
 
 pytestmark = pytest.mark.vllm
 
@@ -229,7 +230,9 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
     """Last in this module: it kills a decode worker. A second decode engine joins;
     the one streaming a long greedy answer is killed -9; the other takes the
     request over (prefills prompt + tokens so far, generates the rest) and the
-    client's stream continues: the whole text equals an undisturbed run."""
+    client's stream continues: the whole text equals an undisturbed run. The killed
+    worker's vLLM engine processes (engine core, executor) end with it: only the
+    worker's pid gets the SIGKILL, as from `kill -9`, not its process group."""
     import signal
     import time
 
@@ -255,7 +258,8 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
             rid = chunk.id
             killed = r.hget(keys.run(rid), "owner").decode()
             proc = fleet.procs.pop(killed)
-            os.killpg(proc.pid, signal.SIGKILL)
+            engine_procs = descendants(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             t_kill = time.monotonic()
     took = time.monotonic() - t_kill
@@ -265,3 +269,5 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
     assert ext["decode_attempts"] >= 2 and ext["decode_worker"] != killed
     print(f"migrated after token {ext['resumed_at_token']}; rest of the stream took {took:.1f} s")
     assert text == want
+    assert len(engine_procs) >= 1  # vLLM's engine core (and, on CPU, its executor)
+    assert not wait_gone(engine_procs, timeout_s=15), "engine processes outlived their worker"

@@ -213,3 +213,20 @@ def test_spinner_only_on_a_terminal():
         console.done()
     assert pipe.getvalue() == "  decode-0 | ready\n"  # a pipe (CI, a log of the terminal) gets whole lines only
     assert "waiting for decode-0" in tty.getvalue() and tty.getvalue().endswith("\r\x1b[K")
+
+
+def test_no_process_of_the_fleet_outlives_a_launcher_killed_with_sigkill(tmp_path):
+    # `skyline up` killed by SIGKILL cannot stop anything: each process it started ends by itself
+    # (the kernel's parent-death signal, skyline/core/lifetime.py): workers drain as on SIGTERM.
+    from tests.procs import descendants, wait_gone
+
+    gw_port, redis_port = free_port(), free_port()
+    term = Terminal(["--port", str(gw_port), "--redis-port", str(redis_port), "--metrics-port-base", "0"], tmp_path)
+    term.wait_for("Ctrl-C stops everything")
+    fleet = descendants(term.proc.pid)
+    assert len(fleet) >= 5, fleet  # redis, gateway, prefill, decode, batch runner
+    os.kill(term.proc.pid, signal.SIGKILL)
+    term.proc.wait()
+    left = wait_gone(fleet, timeout_s=30)
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left]
+    assert not _port_open(gw_port) and not _port_open(redis_port)

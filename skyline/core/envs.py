@@ -56,10 +56,13 @@ SHM_POLL_PAUSE_US = EnvVar("SKYLINE_SHM_POLL_PAUSE_US", "",
 NIXL_KEEP_CORES = EnvVar("SKYLINE_NIXL_KEEP_CORES", "",
                          "vLLM plugin: the NIXL connector leaves the engine thread on its bound cores",
                          "vLLM engine processes (set by VllmEngine on CPU)")
+ENGINE_OWNER_PID = EnvVar("SKYLINE_ENGINE_OWNER_PID", "",
+                          "pid of the worker whose vLLM engine processes end with their parent (skyline/core/lifetime.py)",
+                          "vLLM engine processes (set by the worker)")
 TEST_ARTIFACTS = EnvVar("SKYLINE_TEST_ARTIFACTS", "", "folder where tests keep screenshots and reports", "tests")
 
 ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
-                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, TEST_ARTIFACTS)
+                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, TEST_ARTIFACTS)
 
 
 def skyline_home() -> Path:

@@ -32,6 +32,7 @@ from typing import BinaryIO
 from skyline.core import envs
 from skyline.core.config import SkylineConfig
 from skyline.core.envs import skyline_home
+from skyline.core.lifetime import parent_death_signal
 from skyline.core.net import free_port
 from skyline.tools.progress import Console, LineFilter, Seen, rotate, tail
 from skyline.tools.redis_server import FLEET_USER, start_redis
@@ -115,6 +116,7 @@ def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children:
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyline.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,  # Ctrl-C goes to us; we stop children in order
+        preexec_fn=parent_death_signal(signal.SIGTERM),  # and if we die, SIGKILL included, they stop too
     )
     child = Child(name, role, proc, Path(log.name))
     children.append(child)
@@ -250,7 +252,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
             password = fleet_password(home)
             redis_proc = start_redis(args.redis_port, home / "redis", args.redis_persistence,
                                      rotate(logs / "redis.log"), fleet_password=password,
-                                     own_session=True)  # stopped last, below
+                                     own_session=True, end_with_parent=True)  # stopped last, below
             cfg = replace(cfg, redis=replace(cfg.redis, url=f"redis://{FLEET_USER}:@127.0.0.1:{args.redis_port}/0",
                                              password=password))  # children: the URL and the environment
             os.environ[envs.REDIS_PASSWORD.name] = password  # children inherit it; never on a command line

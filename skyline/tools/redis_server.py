@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 from skyline.core import envs
+from skyline.core.lifetime import parent_death_signal
 
 
 def redis_server_binary() -> str:
@@ -79,7 +81,7 @@ def fleet_acl_file(data_dir: Path, password: str) -> Path:
 
 def start_redis(port: int, data_dir: Path, persistence: str = "none", log_file: Path | None = None,
                 extra: tuple[str, ...] = (), fleet_password: str | None = None,
-                own_session: bool = False) -> subprocess.Popen:
+                own_session: bool = False, end_with_parent: bool = False) -> subprocess.Popen:
     """Start redis-server on 127.0.0.1:`port` and wait until it answers PING.
 
     `persistence`: "none" (fastest; a restart loses queued work, which the
@@ -89,13 +91,15 @@ def start_redis(port: int, data_dir: Path, persistence: str = "none", log_file: 
     `fleet_password`: also define the fleet's restricted ACL user (FLEET_USER).
     `own_session`: out of the caller's process group, so a terminal's Ctrl-C does not reach it and
     the caller stops it when it chooses (`skyline up`: last, after the fleet drained).
+    `end_with_parent`: SIGTERM when the caller dies, however it dies (skyline/core/lifetime.py).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     args = redis_server_args(port, data_dir, persistence, extra=extra)
     if fleet_password:  # a config file must come first on redis-server's command line
         args.insert(1, str(fleet_acl_file(data_dir, fleet_password)))
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_session)
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=own_session,
+                            preexec_fn=parent_death_signal(signal.SIGTERM) if end_with_parent else None)
     wait_for_redis(port, proc)
     return proc
 

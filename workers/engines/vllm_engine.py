@@ -134,8 +134,10 @@ class VllmEngine(Engine):
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         import torch
 
+        from skyline.core.lifetime import mark_engine_processes
         from skyline.workers.engines import vllm_plugin
 
+        mark_engine_processes()  # engine-core and executor processes end with this worker (vllm_plugin.py)
         if not torch.cuda.is_available():
             # CPU engines (vllm_plugin.py, loaded by vLLM in the engine processes): vLLM's engine-core
             # and executor processes would spin on their shared-memory queues through every step, on

@@ -47,6 +47,10 @@ in the fleet 5-6x their time alone), while core 0 served the pollers. With
 `SKYLINE_NIXL_KEEP_CORES` set, the thread gets its cores back once the
 connector is built; threads the connector started meanwhile (NIXL's progress
 thread) keep the reserved core, as vLLM intended.
+
+And one thing that is not about cores: in the engine processes a Skyline worker spawns (marked
+`SKYLINE_ENGINE_OWNER_PID`), the kernel sends SIGKILL when the process's parent dies, so no
+engine outlives a worker killed with SIGKILL (skyline/core/lifetime.py).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import os
 import time
 
 from skyline.core import envs
+from skyline.core.lifetime import engine_process_ends_with_parent
 
 ENV = envs.NIXL_PROGRESS_DELAY_US.name
 PAUSE_ENV = envs.SHM_POLL_PAUSE_US.name
@@ -64,6 +69,7 @@ POLL_PAUSE_US = "200"  # for CPU engines: Skyline's, and the vLLM baselines of `
 
 
 def register() -> None:
+    engine_process_ends_with_parent()  # no engine process outlives the worker that started it
     _sleeping_progress_thread()
     _sleeping_queue_readers()
     _connector_keeps_engine_cores()
