@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-port", type=int, default=6399, help="port of the local Redis `up` starts")
     up.add_argument("--redis-persistence", choices=["none", "aof"], default="none")
     up.add_argument("--api-key", action="append", help="require this API key (repeatable)")
+    up.add_argument("--operator-api-key", action="append",
+                    help="an operator key: every tenant's files, batches, timelines and the dashboard (repeatable)")
     _openai_surface(up)
     up.add_argument("--metrics-port-base", type=int, default=9100,
                     help="worker i serves /metrics on this port + i (deploy/prometheus.yml scrapes them); "
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--min-remote-prefill-tokens", type=int,
                     help="disagg: prompts shorter than this are prefilled on the decode worker (default 256; 0 = never)")
     gw.add_argument("--api-key", action="append", help="require this API key (repeatable; env SKYLINE_API_KEYS)")
+    gw.add_argument("--operator-api-key", action="append",
+                    help="an operator key: every tenant's files, batches, timelines and the dashboard "
+                         "(repeatable; env SKYLINE_OPERATOR_API_KEYS)")
     _openai_surface(gw)
 
     wk = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -159,6 +164,7 @@ def _openai_surface(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     g = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent from a subcommand read as None
     api_keys = g("api_key") or ([k for k in envs.API_KEYS.get().split(",") if k] or None)
+    operator_keys = g("operator_api_key") or ([k for k in envs.OPERATOR_API_KEYS.get().split(",") if k] or None)
     overrides = {
         "redis": {"url": g("redis_url") or envs.REDIS_URL.get() or None,
                   "password": envs.REDIS_PASSWORD.get() or None},
@@ -171,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
                    "advertise_host": g("advertise_host") or envs.ADVERTISE_HOST.get() or None,
                    "metrics_port": g("metrics_port")},
         "gateway": {"host": g("host"), "port": g("port"), "mode": g("mode"), "api_keys": api_keys,
+                    "operator_api_keys": operator_keys,
                     "min_remote_prefill_tokens": g("min_remote_prefill_tokens"),
                     "enable_auto_tool_choice": g("enable_auto_tool_choice"), "tool_call_parser": g("tool_call_parser"),
                     "reasoning_parser": g("reasoning_parser"), "chat_template": g("chat_template")},

@@ -1,6 +1,7 @@
 """Per-request timelines: the recorder against a real Redis, the waterfall, and the logs."""
 
 import asyncio
+import hashlib
 import json
 import logging
 
@@ -67,9 +68,13 @@ async def test_requester_digest_and_disabled_timeline(redis_url, key_prefix):
     r = aioredis.from_url(redis_url)
     keys = Keys(key_prefix)
     tl = Timeline(r, keys, who="gw")
-    tl.set_requester("req", "secret-key")
+    digest = key_digest("secret-key", b"fleet-secret")
+    tl.set_requester("req", digest)
     await tl.flush()
-    assert await requester_of(r, keys, "req") == key_digest("secret-key") != "secret-key"
+    assert await requester_of(r, keys, "req") == digest
+    # Keyed: another secret gives another digest, and it is not the key's plain SHA-256 (which
+    # anyone reading Redis could check a guessed key against).
+    assert digest not in ("secret-key", key_digest("secret-key", b"other"), hashlib.sha256(b"secret-key").hexdigest())
     off = Timeline(r, keys, who="gw", enabled=False)
     await off.record("req-off", "arrived")
     assert await r.exists(keys.timeline("req-off")) == 0

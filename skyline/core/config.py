@@ -153,8 +153,16 @@ class GatewayConfig:
     mode: str = "disagg"  # "disagg" (prefill pool -> decode pool) or "colocated" (decode pool only)
     min_remote_prefill_tokens: int = 256  # disagg: shorter prompts are prefilled on the decode worker (their KV move costs more than it saves)
     max_prefill_backlog_tokens: int = 0  # disagg: beyond this prefill backlog, prefill on the decode worker (0 = never)
-    api_keys: tuple[str, ...] = ()  # empty = no authentication
+    api_keys: tuple[str, ...] = ()  # tenant keys; with operator_api_keys empty too = no authentication
     api_key_file: str = ""  # more keys, one per line (# comments); read at start, added to api_keys
+    # Operator keys (gateway/tenants.py): every route, and every tenant's files, batches and
+    # timelines; the dashboard needs one. Batch runners use one to run every tenant's batches.
+    operator_api_keys: tuple[str, ...] = ()
+    operator_api_key_file: str = ""  # more operator keys, one per line; read at start, added
+    # The secret of the owner digests (HMAC-SHA256 of the creating key) recorded on files, batches
+    # and timelines; every gateway of a fleet needs the same. "" = derived from api_keys, which then
+    # must not change (docs/operations.md "Tenants").
+    owner_secret_file: str = ""
     # Per-API-key request rate (GCRA: `rate_limit_rps` sustained, bursts of
     # `rate_limit_burst`); over it: 429 + Retry-After. 0 = no limit. Per gateway process.
     rate_limit_rps: float = 0.0
@@ -281,9 +289,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         if key in data:
             changes[key] = data[key]
     cfg = replace(cfg, **changes)
-    if cfg.gateway.api_key_file:
-        cfg = replace(cfg, gateway=replace(cfg.gateway, api_keys=cfg.gateway.api_keys
-                                           + read_key_file(cfg.gateway.api_key_file)))
+    g = cfg.gateway
+    if g.api_key_file:
+        g = replace(g, api_keys=g.api_keys + read_key_file(g.api_key_file))
+    if g.operator_api_key_file:
+        g = replace(g, operator_api_keys=g.operator_api_keys + read_key_file(g.operator_api_key_file))
+    cfg = replace(cfg, gateway=g)
     check(cfg)  # types, ranges and the rules between values, each problem named by its key
     return cfg
 

@@ -212,6 +212,9 @@ def _cross(cfg: Any) -> list[str]:
     rule(g.first_frame_timeout_s <= g.request_timeout_s,
          f"[gateway] first_frame_timeout_s = {g.first_frame_timeout_s} must be at most request_timeout_s = "
          f"{g.request_timeout_s}")
+    # A key in both lists would make a tenant an operator without anyone noticing (never named: it is a secret).
+    rule(not set(g.api_keys) & set(g.operator_api_keys),
+         "[gateway] a key is in both api_keys and operator_api_keys: give operators keys of their own")
     rule(r.run_ttl_s > g.request_timeout_s,
          f"[redis] run_ttl_s = {r.run_ttl_s} must exceed [gateway] request_timeout_s = {g.request_timeout_s} "
          "(a request's delivery state must outlive the request)")

@@ -40,6 +40,9 @@ REDIS_PASSWORD = EnvVar("SKYLINE_REDIS_PASSWORD", "",
                         "Redis password (kept off command lines, where `ps` shows it)", "every process (cli)")
 API_KEYS = EnvVar("SKYLINE_API_KEYS", "", "comma-separated API keys the gateway requires (and batch tools send)",
                   "gateway, batch tools (cli)")
+OPERATOR_API_KEYS = EnvVar("SKYLINE_OPERATOR_API_KEYS", "",
+                           "comma-separated operator keys: every tenant's objects, the dashboard (batch runners send the first)",
+                           "gateway, batch runner (cli)")
 ADVERTISE_HOST = EnvVar("SKYLINE_ADVERTISE_HOST", "",
                         "the address a worker advertises to other hosts (KV pulls, /metrics)", "workers (cli)")
 LOG_LEVEL = EnvVar("SKYLINE_LOG_LEVEL", "INFO", "log level when --log-level is not given", "every process (cli)")
@@ -61,7 +64,7 @@ ENGINE_OWNER_PID = EnvVar("SKYLINE_ENGINE_OWNER_PID", "",
                           "vLLM engine processes (set by the worker)")
 TEST_ARTIFACTS = EnvVar("SKYLINE_TEST_ARTIFACTS", "", "folder where tests keep screenshots and reports", "tests")
 
-ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
+ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, OPERATOR_API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
                  NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, TEST_ARTIFACTS)
 
 

@@ -133,11 +133,12 @@ class Keys:
         return f"{self.prefix}:timeline:{request_id}"
 
     def requester(self, request_id: str) -> str:
-        """STRING `skyline:requester:<id>` — SHA-256 of the API key that sent the request.
+        """STRING `skyline:requester:<id>` — the owner digest of the API key that sent the request.
 
-        Written by the gateway (only when API keys are on), read by the
-        timeline route so a client sees only its own requests. Same TTL as
-        the timeline.
+        HMAC-SHA256 of the key under the owner secret (`key_digest`,
+        gateway/tenants.py), never the key. Written by the gateway (only when
+        API keys are on), read by the timeline route so a client sees only
+        its own requests. Same TTL as the timeline.
         """
         return f"{self.prefix}:requester:{request_id}"
 
@@ -168,9 +169,10 @@ class Keys:
         """HASH `skyline:file:{<id>}` — an uploaded or produced file's metadata (OpenAI file object).
 
         `id`, `filename`, `purpose` (batch, batch_output), `bytes`,
-        `created_at`, `expires_at`. Written by the gateway (upload) and the
-        batch runner (output and error files); read by `GET /v1/files/{id}`.
-        TTL `batch.file_ttl_s`.
+        `created_at`, `expires_at`, `owner` (the creating key's digest, when
+        API keys are on; a batch's output and error files get the batch's).
+        Written by the gateway (upload) and the batch runner (output and
+        error files); read by `GET /v1/files/{id}`. TTL `batch.file_ttl_s`.
         """
         return f"{self.prefix}:file:{{{file_id}}}"
 
@@ -182,6 +184,18 @@ class Keys:
         """
         return f"{self.prefix}:file:{{{file_id}}}:content"
 
+    @property
+    def files(self) -> str:
+        """ZSET `skyline:files` — file id -> created_at (Unix s), every file: `GET /v1/files` of an
+        operator (or of a gateway without keys). Written with each file; members whose hash expired
+        are dropped by the listing."""
+        return f"{self.prefix}:files"
+
+    def files_of(self, owner: str) -> str:
+        """ZSET `skyline:files:<owner digest>` — the same for the files of one API key (what
+        `GET /v1/files` lists for it, without reading other tenants' entries)."""
+        return f"{self.prefix}:files:{owner}"
+
     def batch(self, batch_id: str) -> str:
         """HASH `skyline:batch:{<id>}` — one batch: status, timestamps, file ids, request counts, errors.
 
@@ -189,7 +203,8 @@ class Keys:
         validating -> in_progress -> finalizing -> completed (or failed,
         cancelling -> cancelled, expired) by Lua transitions in the gateway
         and the batch runner; `completed`/`failed` are counted with each
-        recorded result. TTL `batch.file_ttl_s` once finished.
+        recorded result; `owner` as on files. TTL `batch.file_ttl_s` once
+        finished.
         """
         return f"{self.prefix}:batch:{{{batch_id}}}"
 
@@ -198,9 +213,13 @@ class Keys:
         """ZSET `skyline:batches` — batch id -> created_at (Unix s), for `GET /v1/batches`.
 
         Written by the gateway at creation; members whose hash expired are
-        dropped by the listing.
+        dropped by the listing. Every batch: an operator's list.
         """
         return f"{self.prefix}:batches"
+
+    def batches_of(self, owner: str) -> str:
+        """ZSET `skyline:batches:<owner digest>` — the same for the batches of one API key."""
+        return f"{self.prefix}:batches:{owner}"
 
     def batch_results(self, batch_id: str) -> str:
         """HASH `skyline:batch:{<id>}:results` — input line number -> its output line (JSON).

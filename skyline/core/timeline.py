@@ -23,6 +23,7 @@ processes; clocks of one host agree, hosts should run NTP).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -104,9 +105,13 @@ def now_ms() -> float:
     return round(time.time() * 1000, 3)
 
 
-def key_digest(api_key: str) -> str:
-    """What the gateway stores to recognise a requester later (never the key itself)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
+def key_digest(api_key: str, secret: bytes) -> str:
+    """The owner the gateway records for what `api_key` creates (a request's timeline, files,
+    batches; gateway/tenants.py), never the key itself: HMAC-SHA256 under the fleet's owner
+    secret. Keyed, not a plain hash: anyone who reads Redis (a worker host, a dump, an ACL user
+    with read access) could test guesses of a weak key against a plain SHA-256 offline; with
+    the HMAC they also need the secret, which only the gateways hold."""
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
 
 
 class Timeline:
@@ -167,12 +172,13 @@ class Timeline:
         self.emit(request_id, event, t_ms=t_ms, who=who, **fields)
         await self.flush()
 
-    def set_requester(self, request_id: str, api_key: str) -> None:
-        """Remember which API key sent the request (as a digest), for the owner-only timeline route."""
+    def set_requester(self, request_id: str, owner: str) -> None:
+        """Remember who sent the request (`owner`: `key_digest` of its API key), for the owner-only
+        timeline route."""
         if not self.enabled:
             return
-        key, digest, ttl = self.keys.requester(request_id), key_digest(api_key), self.ttl_s
-        self.batcher.add(lambda pipe: pipe.set(key, digest, ex=ttl))
+        key, ttl = self.keys.requester(request_id), self.ttl_s
+        self.batcher.add(lambda pipe: pipe.set(key, owner, ex=ttl))
 
     async def flush(self) -> None:
         await self.batcher.flush()

@@ -264,6 +264,8 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
             env[envs.API_KEYS.name] = ",".join(cfg.gateway.api_keys)
+        if cfg.gateway.operator_api_keys:  # the gateway's, and the batch runner's (it runs every tenant's batches)
+            env[envs.OPERATOR_API_KEYS.name] = ",".join(cfg.gateway.operator_api_keys)
         common = _common_args(cfg, args)
         seen = Seen()  # the warnings already shown, fleet-wide
         spawn = lambda name, role, argv: _spawn(name, role, argv, env, children, logs,  # noqa: E731
