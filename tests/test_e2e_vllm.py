@@ -226,6 +226,59 @@ def test_interactive_request_overtakes_queued_rag_prompts(client):
     assert ttfts["chat"] < rag[len(rag) // 2], "the interactive request should not wait behind the RAG burst"
 
 
+async def test_a_kv_pull_that_fails_is_computed_on_the_decode_worker(fleet, client, redis_url):
+    """A NIXL failure, injected: the decode work of a served request goes to the decode pool again
+    with a handle naming an engine nobody runs (its side channel refuses the handshake). vLLM ends
+    the pull with an error before computing anything, and the decode worker computes the prompt
+    itself: the same greedy text, shown in the final frame and the timeline and counted by reason."""
+    import dataclasses
+    import json
+    import urllib.request
+
+    import redis.asyncio as aioredis
+
+    from skyline.core import messages
+    from skyline.core.fleet import list_workers
+    from skyline.core.keys import Keys
+    from skyline.core.net import free_port
+    from skyline.core.streams import enqueue, now_ms
+
+    served = client.completions.create(model=MODEL, prompt="The moon is", max_tokens=16, temperature=0)
+    keys = Keys(fleet.key_prefix)
+    r = aioredis.from_url(redis_url)
+    work = next(messages.decode(f[b"msg"]) for _, f in await r.xrange(keys.stream("decode", "standard"))
+                if f[b"id"].decode() == served.id)
+    assert work.kv_handle, "the request went through the prefill pool"
+    rid, t = served.id + "-pull-fails", now_ms()
+    bad = dataclasses.replace(
+        work, request=dataclasses.replace(work.request, request_id=rid, arrival_ms=t, deadline_ms=t + 60_000),
+        kv_handle=dict(work.kv_handle, remote_engine_id="no-such-engine", remote_port=free_port()),
+        prefill_finished_ms=t)
+    pubsub = r.pubsub()
+    await pubsub.subscribe(keys.tokens(rid))
+    await enqueue(r, keys, "decode", bad, 1000)
+    text, final, deadline = "", None, time.monotonic() + 120
+    while final is None and time.monotonic() < deadline:
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+        frame = messages.decode(msg["data"]) if msg else None
+        assert not isinstance(frame, messages.Failed), frame
+        if isinstance(frame, messages.TokenDelta):
+            text += frame.text
+        elif isinstance(frame, messages.Finished):
+            final = frame
+    assert final is not None, "no final frame: the stream hung"
+    assert text == served.choices[0].text
+    assert final.kv_transfer["local_prefill"] == "kv_pull_failed" and final.decode_worker == "decode-0"
+    events = [json.loads(e) for e in await r.lrange(keys.timeline(rid), 0, -1)]
+    assert any(e["event"] == "pd_fallback" and e["fields"]["reason"] == "kv_pull_failed" for e in events)
+    worker = next(w for w in await list_workers(r, keys, 10) if w.worker_id == "decode-0")
+    with urllib.request.urlopen(f"http://{worker.address}:{worker.metrics_port}/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'skyline_worker_pd_fallbacks_total{reason="kv_pull_failed"} 1.0' in metrics
+    await pubsub.aclose()
+    await r.aclose()
+
+
 def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client, redis_url):
     """Last in this module: it kills a decode worker. A second decode engine joins;
     the one streaming a long greedy answer is killed -9; the other takes the

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from skyline.core import messages
 from skyline.core.streams import Claimed, now_ms
@@ -27,7 +28,7 @@ from skyline.scheduler import migration
 from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.migration import resume_refusal
 from skyline.workers import observe
-from skyline.workers.engines.base import EngineRequest, GenerationChunk, RequestRefused
+from skyline.workers.engines.base import EngineRequest, GenerationChunk, KVPullFailed, RequestRefused
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
 from skyline.workers.runs import FENCED, RunClaim
@@ -67,6 +68,9 @@ class DecodeHandler:
             await self.rt.queues.ack(claimed)
             return
         ereq, kv_handle, why_local = await self._plan(work, run)
+        if why_local:
+            observe.pd_fallback(self.rt, req, why_local)
+        source = _Source(kv_handle, why_local)
         started = now_ms()
         first_token_ms = 0
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
@@ -78,7 +82,7 @@ class DecodeHandler:
         prompt_logprobs = work.prompt_logprobs if kv_handle is not None else None
         try:
             if ereq.sampling.max_tokens > 0:
-                async for chunk in self.rt.engine.generate(ereq, kv_handle):
+                async for chunk in self._chunks(ereq, req, source):
                     if self.rt.cancel_pending():  # a cancellation dropped on its way (WorkerRuntime.cancel)
                         raise asyncio.CancelledError(f"{req.request_id} was cancelled by its worker")
                     if chunk.token_ids or chunk.text:
@@ -87,9 +91,9 @@ class DecodeHandler:
                             self.rt.pace.record(t, t - last_chunk_s, len(chunk.token_ids))
                         last_chunk_s = t
                         if not first_token_ms:
-                            first_token_ms = observe.first_token(self.rt, req, started, kv_handle is not None)
+                            first_token_ms = observe.first_token(self.rt, req, started, source.kv_handle is not None)
                             self.rt.local_prefill_done(req.request_id)
-                            prefilled_here = kv_handle is None
+                            prefilled_here = source.kv_handle is None
                     if chunk.done and self.publisher.in_order_batches:
                         # The last tokens go out in one round trip with the final frame (below): the
                         # gateway closes the response as soon as they arrive instead of one publish later.
@@ -116,8 +120,8 @@ class DecodeHandler:
             self.rt.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
             await self.rt.queues.ack(claimed)
             return
-        if why_local:
-            kv_transfer["local_prefill"] = why_local
+        if source.why_local:
+            kv_transfer["local_prefill"] = source.why_local
         done = now_ms()
         timings = {
             "queue_ms": (work.prefill_started_ms or started) - req.arrival_ms,
@@ -143,6 +147,24 @@ class DecodeHandler:
         if prefilled_here:
             await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
         await self.rt.queues.ack(claimed)
+
+    async def _chunks(self, ereq: EngineRequest, req: messages.GenerateRequest,
+                      source: _Source) -> AsyncIterator[GenerationChunk]:
+        """The engine's chunks, with the prompt's KV pulled from `source` if it has a handle; if the
+        pull fails before anything was generated, the prompt is computed here instead (NIXL handshake
+        or transfer failed, or timed out): counted and shown as a fallback, never a silent bypass."""
+        try:
+            async for chunk in self.rt.engine.generate(ereq, source.kv_handle):
+                yield chunk
+            return
+        except KVPullFailed as exc:
+            if source.kv_handle is None:
+                raise
+            log.warning("%s; prefilling %s locally", exc, req.request_id)
+        source.kv_handle, source.why_local = None, "kv_pull_failed"
+        observe.pd_fallback(self.rt, req, source.why_local)
+        async for chunk in self.rt.engine.generate(ereq, None):
+            yield chunk
 
     async def _prefilled_here(self, claimed: Claimed, started_ms: int, first_token_ms: int, tokens: int) -> None:
         """This worker computed the prompt itself (colocated route, or a local
@@ -181,6 +203,15 @@ class DecodeHandler:
             log.warning("prefill worker %s of %s is gone; prefilling locally", work.prefill_worker, req.request_id)
             return ereq, None, "prefill_worker_gone"
         return ereq, work.kv_handle, ""
+
+
+@dataclass
+class _Source:
+    """Where this attempt's prompt KV comes from: a prefill engine's handle, or None (computed here,
+    `why_local` saying why when a handle existed)."""
+
+    kv_handle: dict | None
+    why_local: str
 
 
 class _Stream:

@@ -50,6 +50,7 @@ EVENTS = (
     "kv_handle_published",  # prefill worker: stage=decode, handle_bytes
     "decode_claimed",       # decode worker: tier, kv (remote/local)
     "kv_transfer",          # decode worker: ms, bytes (when known), remote_tokens
+    "pd_fallback",          # decode worker: reason (the prompt is computed here although a prefill engine had it)
     "first_token",          # decode worker: ttft_ms (from arrival)
     "preempted",            # prefill worker: for_tier (the stricter request it made room for), preemptions
     "requeued",             # worker: stage, tier, reason

@@ -55,6 +55,11 @@ class GenerationChunk:
     kv_transfer: dict[str, Any] = field(default_factory=dict)
 
 
+class KVPullFailed(Exception):
+    """The engine could not load the prompt's KV from the prefill engine (NIXL handshake or transfer
+    failed, or timed out) and generated nothing: the decode worker computes the prompt itself."""
+
+
 class RequestRefused(Exception):
     """The engine cannot serve this request as asked (a client error: the worker answers it with
     `status`, never retries it)."""

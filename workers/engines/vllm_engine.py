@@ -37,7 +37,9 @@ from typing import Any
 
 from skyline.core import logprobs
 from skyline.core.messages import SamplingSpec
-from skyline.workers.engines.base import Engine, EngineRequest, EngineStats, GenerationChunk, PrefillResult
+from skyline.workers.engines.base import (
+    Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult,
+)
 
 log = logging.getLogger("skyline.engine.vllm")
 steps_log = logging.getLogger("skyline.engine.steps")  # one DEBUG line per vLLM step
@@ -291,10 +293,15 @@ class VllmEngine(Engine):
         first = True
         async for out in self._run(req, params):
             prompt_lps = logprobs.to_wire(out.prompt_logprobs) if first and out.prompt_logprobs else None
-            first = False
+            first_output, first = first, False
             last = len(out.outputs) - 1
             for i, comp in enumerate(out.outputs):
                 if comp.finish_reason == "error":
+                    if kv_handle is not None and not comp.token_ids and first_output:
+                        # vLLM (kv_load_failure_policy "fail") ends a request whose KV it could not load
+                        # before computing anything: nothing reached the client, the prompt can be computed.
+                        raise KVPullFailed(f"request {req.request_id}: loading its KV from "
+                                           f"{evidence.get('source_engine')} failed in the engine")
                     raise KVTransferError(f"request {req.request_id} failed in the engine (KV pull or model error)")
                 chunk = GenerationChunk(
                     token_ids=list(comp.token_ids), text=comp.text, choice=comp.index, finish_reason=comp.finish_reason,
@@ -324,7 +331,7 @@ class VllmEngine(Engine):
         async for out in self._run(pull, params):
             loaded = self._remote_tokens.get(pull.request_id, loaded)
             if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
-                raise KVTransferError(f"request {req.request_id}: pulling its KV failed in the engine")
+                raise KVPullFailed(f"request {req.request_id}: pulling its KV failed in the engine")
         return loaded
 
     async def _run(self, req: EngineRequest, params: Any) -> AsyncIterator[Any]:
