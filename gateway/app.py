@@ -36,15 +36,16 @@ from skyline.core.streams import ensure_groups, now_ms
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
 from skyline.gateway.dispatch import Dispatcher
-from skyline.gateway.errors import ApiError, HeaderLimit, from_vllm, install_handlers
+from skyline.gateway.errors import ApiError, HeaderLimit, from_vllm, install_handlers, vllm_wrote
 from skyline.gateway.fleet_client import CLIENT_CLOSED, SCOPE, RequestScope, fleet_client_class
 from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
-from skyline.gateway.observe import GatewayObserver, add_timeline_route, api_key_of
+from skyline.gateway.observe import GatewayObserver, add_timeline_route
 from skyline.gateway.openai_api import Frontend, build_frontend
-from skyline.gateway.prepare import Serving, check_auth, json_body, pop_slo, read_body
+from skyline.gateway.prepare import Serving, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter
 from skyline.gateway.relay import Relay
+from skyline.gateway.tenants import Tenants, api_key_of
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
 
@@ -65,6 +66,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     dispatcher = Dispatcher(cfg, serving, keys, metrics, observer, calibration)
     front = build_frontend(cfg, fleet_client_class(), dispatcher, model_path, served_model, max_model_len)
     rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
+    tenants = Tenants(cfg.gateway)  # who is asking, and what they may see (gateway/tenants.py)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -101,8 +103,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     app.state.args = SimpleNamespace(log_error_stack=False)  # read by vLLM's validation error handler
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
-    app.include_router(batch_router(cfg, lambda: dispatcher.redis))  # OpenAI Batch API (gateway/batch_routes.py)
-    generation = _GenerationRoutes(cfg, front, rate_limiter, metrics)
+    app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
+    generation = _GenerationRoutes(cfg, front, rate_limiter, metrics, tenants)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -136,7 +138,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        check_auth(request, cfg.gateway.api_keys)
+        tenants.authenticate(request)
         return JSONResponse((await front.models.show_available_models()).model_dump())
 
     @app.get("/health")
@@ -161,8 +163,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
                 log.warning("metrics: cannot read the queues: %s", exc)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    add_timeline_route(app, cfg, keys, lambda: dispatcher.redis)
-    add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet))
+    add_timeline_route(app, cfg, keys, lambda: dispatcher.redis, tenants)
+    add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet), tenants)
 
     return app
 
@@ -188,14 +190,16 @@ def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
 class _GenerationRoutes:
     """What every generation route does around vLLM's serving call."""
 
-    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, metrics: GatewayMetrics):
+    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, metrics: GatewayMetrics,
+                 tenants: Tenants):
         self.cfg = cfg
+        self.tenants = tenants
         self.front = front
         self.rate_limiter = rate_limiter
         self.metrics = metrics
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        check_auth(request, self.cfg.gateway.api_keys)
+        self.tenants.authenticate(request)  # tenant and operator keys alike; remembered for the timeline's owner
         self.rate_limiter.check(api_key_of(request))  # before any work: a flooding tenant costs the least
         return json_body(await read_body(request, self.cfg.gateway.max_body_bytes))
 
@@ -208,7 +212,14 @@ class _GenerationRoutes:
             return await _validation_response(request, exc)
         except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise their own errors directly
             raise _refused_body(exc) from None
-        return _plain_response(await handler(req, request))
+        try:
+            result = await handler(req, request)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
+            # (a chat template rendering /tokenize's messages can fail as it does for a chat request)
+            raise from_vllm(exc) from None
+        return _plain_response(result)
 
     async def serve(self, request: Request, kind: str, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
         t_arrival, arrival_ms = time.perf_counter(), now_ms()
@@ -246,9 +257,9 @@ class _GenerationRoutes:
                 raise
             except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
                 scope.close_all(500)
-                err = scope.error or from_vllm(exc)
-                if err.status >= 500:
-                    log.error("vLLM's serving code failed on %s", request.url.path, exc_info=exc)
+                # from_vllm logs an internal failure under the request's id (a new one when it failed
+                # before reaching the fleet, e.g. in the chat template), the id its answer names.
+                err = scope.error or from_vllm(exc, scope.preps[0].request.request_id if scope.preps else None)
                 raise err from None
             if not stream or not hasattr(result, "__anext__"):
                 return self._once(scope, result)
@@ -257,8 +268,8 @@ class _GenerationRoutes:
             scope.close_all(exc.status)
             if not scope.counted:
                 self.metrics.count("", "", exc.status)
-            if scope.preps:
-                exc.headers = {**(exc.headers or {}), **_headers(scope)}
+            if scope.preps:  # the error's own headers win: an internal error's id is the one its message names
+                exc.headers = {**_headers(scope), **(exc.headers or {})}
             raise
         finally:
             SCOPE.reset(token)
@@ -372,9 +383,10 @@ def _refused_body(exc: Exception) -> ApiError:
     answered as vLLM answers them), and some fail on a field of an unexpected shape (vLLM 0.32:
     `"structured_outputs": "hi"` raises AttributeError, a 500 in vllm serve): the body is the client's,
     so that is a 400 too, without the exception's text."""
-    err = from_vllm(exc)
-    if err.status < 500:
-        return err
+    if vllm_wrote(exc):
+        err = from_vllm(exc)
+        if err.status < 500:
+            return err
     log.info("request body refused by vLLM's request model validators: %r", exc)
     return ApiError(400, "the request body does not validate: a field has an unexpected type or shape",
                     code="invalid_request_body")

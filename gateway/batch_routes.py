@@ -1,7 +1,7 @@
 """OpenAI Batch API on the gateway: files, batches, and the route batch runners send lines to.
 
   POST /v1/files                    upload a JSONL batch input (multipart, purpose "batch")
-  GET  /v1/files/{id}               file object; GET /v1/files/{id}/content its bytes
+  GET  /v1/files (list), /v1/files/{id} (file object), /v1/files/{id}/content (its bytes)
   POST /v1/batches                  create a batch from an uploaded file (queued as an RQ job)
   GET  /v1/batches/{id}, /v1/batches (list, newest first), POST /v1/batches/{id}/cancel
   POST /skyline/batches/{id}/lines/{line}   (for `skyline batch-runner`) run one line, record it
@@ -12,7 +12,9 @@ the same auth, validation, admission and queues as any client request. It
 records the answer in Redis before replying, and keeps going if the runner
 disconnects, so a runner killed mid-request neither loses the answer nor
 makes the fleet compute it again. Every route takes the API key like the
-others.
+others, and answers only about the key's own files and batches (operator
+keys: everyone's; gateway/tenants.py): another tenant's id is a 404 with the
+message of a missing one. The line route runs the line as the batch's owner.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from skyline.gateway.errors import ApiError
-from skyline.gateway.prepare import check_auth
 from skyline.gateway.prepare import json_body
+from skyline.gateway.tenants import Tenant, Tenants, on_behalf_of
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from skyline.batch import jobs, jsonl
-from skyline.batch.objects import COMPLETION_WINDOWS
+from skyline.batch.objects import COMPLETION_WINDOWS, batch_object, file_object
 from skyline.batch.store import BatchStore, new_batch_id
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
@@ -46,7 +48,7 @@ CLAIM_MARGIN_S = 30  # a line's claim outlives the gateway's own request timeout
 MAX_METADATA_KEYS = 16
 
 
-def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | None]) -> APIRouter:
+def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | None], tenants: Tenants) -> APIRouter:
     """The batch routes; `redis_of()` gives the app's Redis client (None before start-up)."""
     router = APIRouter()
     keys = Keys(cfg.key_prefix)
@@ -65,11 +67,21 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
             holder["rq"] = jobs.rq_connection(cfg.redis)
         return holder["rq"]
 
+    async def owned_file(st: BatchStore, tenant: Tenant, file_id: str) -> dict[str, str]:
+        """The file's fields, if `tenant` may see it; else the 404 of a missing file."""
+        fields = await _redis(st.file_fields(file_id))
+        return _found(fields if fields is not None and tenant.owns(fields.get("owner")) else None, "file", file_id)
+
+    async def owned_batch(st: BatchStore, tenant: Tenant, batch_id: str) -> dict[str, str]:
+        """The batch's fields, if `tenant` may see it; else the 404 of a missing batch."""
+        fields = await _redis(st.batch_fields(batch_id))
+        return _found(fields if fields is not None and tenant.owns(fields.get("owner")) else None, "batch", batch_id)
+
     # ---- files ----------------------------------------------------------------------------
 
     @router.post("/v1/files")
     async def upload_file(request: Request) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
+        tenant = tenants.authenticate(request)
         form = await _limited(request, bc.max_file_bytes + MULTIPART_OVERHEAD).form(max_files=1, max_fields=8)
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose != "batch":
@@ -88,24 +100,37 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
         if lines > bc.max_lines:
             raise ApiError(400, f"the file has {lines} lines; the limit is {bc.max_lines} (batch.max_lines)",
                            param="file", code="too_many_lines")
-        return await _redis(store().put_file(content, upload.filename or "batch.jsonl", "batch"))
+        return await _redis(store().put_file(content, upload.filename or "batch.jsonl", "batch", owner=tenant.owner))
+
+    @router.get("/v1/files")
+    async def list_files(request: Request, after: str | None = None, limit: int = 20, order: str = "desc",
+                         purpose: str | None = None) -> dict[str, Any]:
+        tenant = tenants.authenticate(request)
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")
+        data, more = await _redis(store().list_files(after, limit, tenant.lists_of, purpose, order == "desc"))
+        return _page(data, more)
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
-        return _found(await _redis(store().file(file_id)), "file", file_id)
+        tenant = tenants.authenticate(request)
+        return file_object(await owned_file(store(), tenant, file_id))
 
     @router.get("/v1/files/{file_id}/content")
     async def get_file_content(request: Request, file_id: str) -> Response:
-        check_auth(request, cfg.gateway.api_keys)
-        content = _found(await _redis(store().file_content(file_id)), "file", file_id)
+        tenant = tenants.authenticate(request)
+        st = store()
+        await owned_file(st, tenant, file_id)
+        content = _found(await _redis(st.file_content(file_id)), "file", file_id)
         return Response(content, media_type="application/octet-stream")
 
     # ---- batches --------------------------------------------------------------------------
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
+        tenant = tenants.authenticate(request)
         spec = await _json_object(request)
         endpoint, window = spec.get("endpoint"), spec.get("completion_window")
         if endpoint not in jsonl.ENDPOINTS:
@@ -117,8 +142,8 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
         metadata = _metadata(spec.get("metadata"))
         st = store()
         file_id = spec.get("input_file_id")
-        meta = await _redis(st.file(file_id)) if isinstance(file_id, str) else None
-        if meta is None:
+        meta = await _redis(st.file_fields(file_id)) if isinstance(file_id, str) else None
+        if meta is None or not tenant.owns(meta.get("owner")):  # another tenant's file reads as a missing one
             raise ApiError(404, f"no file {file_id!r} (upload it with POST /v1/files first)",
                            param="input_file_id", code="file_not_found")
         if meta["purpose"] != "batch":
@@ -133,7 +158,7 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
             "id": bid, "endpoint": endpoint, "input_file_id": file_id, "completion_window": window,
             "status": "validating", "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
             "total": parsed.total, "completed": 0, "failed": 0,
-            "metadata": json.dumps(metadata) if metadata is not None else None,
+            "metadata": json.dumps(metadata) if metadata is not None else None, "owner": tenant.owner or None,
         }))
         if parsed.fatal:  # cannot start: say why, per OpenAI (status failed, errors.data with line numbers)
             await _redis(st.fail(bid, parsed.fatal))
@@ -149,23 +174,21 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
-        return _found(await _redis(store().batch(batch_id)), "batch", batch_id)
+        tenant = tenants.authenticate(request)
+        return batch_object(await owned_batch(store(), tenant, batch_id))
 
     @router.get("/v1/batches")
     async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
+        tenant = tenants.authenticate(request)
         if not 1 <= limit <= 100:
             raise ApiError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
-        data, more = await _redis(store().list_batches(after, limit))
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        return _page(*await _redis(store().list_batches(after, limit, tenant.lists_of)))
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
-        check_auth(request, cfg.gateway.api_keys)
+        tenant = tenants.authenticate(request)
         st = store()
-        fields = _found(await _redis(st.batch_fields(batch_id)), "batch", batch_id)
+        fields = await owned_batch(st, tenant, batch_id)
         moved, was = await _redis(st.transition(batch_id, ("validating", "in_progress"), "cancelling",
                                                 cancelling_at=int(time.time())))
         if not moved and was not in ("cancelling", "cancelled"):
@@ -183,15 +206,15 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
 
     @router.post("/skyline/batches/{batch_id}/lines/{line}")
     async def run_line(request: Request, batch_id: str, line: int) -> Response:
-        check_auth(request, cfg.gateway.api_keys)
+        # Batch runners call this with an operator key (any tenant's batch); a tenant may run only its own.
+        tenant = tenants.authenticate(request)
         item = await _json_object(request)
         custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
         if url not in jsonl.ENDPOINTS or not isinstance(body, dict):
             raise ApiError(400, "a batch line needs 'url' (a batch endpoint) and 'body' (an object)", code="invalid_line")
         st = store()
-        status = await _redis(st.status(batch_id))
-        if status is None:
-            raise ApiError(404, f"no batch {batch_id!r}", code="batch_not_found")
+        fields = await owned_batch(st, tenant, batch_id)
+        status, batch_owner = fields["status"], fields.get("owner", "")
         if status != "in_progress":
             raise ApiError(409, f"batch {batch_id} is {status}, not running", code="batch_not_running")
         if (done := await _redis(st.result(batch_id, line))) is not None:
@@ -202,7 +225,8 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
         try:
             if (done := await _redis(st.result(batch_id, line))) is not None:  # recorded just before the claim
                 return JSONResponse({"recorded": False, "line": done})
-            status_code, request_id, answer = await _run_inner(request, url, {**body, "stream": False})
+            with on_behalf_of(batch_owner):  # the request (its timeline) is the batch owner's, not the runner's
+                status_code, request_id, answer = await _run_inner(request, url, {**body, "stream": False})
             if status_code in jsonl.RETRYABLE_STATUSES:  # not this line's answer: the runner tries again later
                 return JSONResponse(answer, status_code=status_code)
             out = jsonl.response_line(custom_id, status_code, request_id, answer)
@@ -260,6 +284,12 @@ def _metadata(value: Any) -> dict[str, str] | None:
         raise ApiError(400, f"metadata must be an object of at most {MAX_METADATA_KEYS} string pairs "
                             "(keys up to 64 characters, values up to 512)", param="metadata", code="invalid_metadata")
     return value
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """An OpenAI list object (files, batches)."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 def _found(value: Any, what: str, ident: str) -> Any:

@@ -9,8 +9,16 @@ gateways write), TTFT/TPOT percentiles per minute and the slowest recent
 requests (from `skyline:recent`). Clicking a slow request draws its timeline
 from `/v1/requests/{id}/timeline`.
 
-Like `/metrics`, the dashboard needs no API key: it shows latencies and
-request ids, never prompts or outputs; timelines stay owner-only.
+Who may look: with API keys on, `/dashboard/data` needs an operator key
+(`gateway.operator_api_keys`): 401 without a key, 403 with a tenant's. The
+page shows the whole fleet (every tenant's queues, latencies and request
+ids), and splitting it per tenant would leave most of it (queues, workers)
+either empty or someone else's, so it is the operators' tool. `/dashboard`
+itself answers without a key: it is the page's code and no data (a browser
+cannot send an Authorization header when it navigates), and it asks for the
+key, keeps it in the tab's sessionStorage (never in a URL, where logs and
+history would keep it) and sends it as `Authorization: Bearer` with every
+fetch, timelines included (an operator key reads every timeline).
 """
 
 from __future__ import annotations
@@ -23,11 +31,14 @@ from typing import Any
 
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
+from starlette.requests import Request
 
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
 from skyline.core.queues import read_streams
 from skyline.core.slo_record import attainment, by_minute, read_minutes, read_recent, slowest
+from skyline.gateway.errors import ApiError
+from skyline.gateway.tenants import Tenants
 
 PAGE = Path(__file__).with_name("dashboard.html")
 WINDOW_MINUTES = 15  # charts span this many minutes
@@ -64,11 +75,10 @@ async def dashboard_data(r: Any, fleet: Any, cfg: SkylineConfig, keys: Keys, now
         "minutes": per_minute,
         "slowest": [{**asdict(o), "timeline": f"/v1/requests/{o.id}/timeline"}
                     for o in slowest(recent, SLOWEST, now_ms - WINDOW_MINUTES * 60_000)],
-        "api_keys": bool(cfg.gateway.api_keys),
     }
 
 
-def add_dashboard_routes(app: Any, cfg: SkylineConfig, keys: Keys, connections: Any) -> None:
+def add_dashboard_routes(app: Any, cfg: SkylineConfig, keys: Keys, connections: Any, tenants: Tenants) -> None:
     """`connections()` -> (redis client, FleetView), both None until the app has started."""
     page = PAGE.read_text(encoding="utf-8")
 
@@ -77,7 +87,10 @@ def add_dashboard_routes(app: Any, cfg: SkylineConfig, keys: Keys, connections: 
         return HTMLResponse(page, headers={"cache-control": "no-cache"})
 
     @app.get("/dashboard/data")
-    async def data() -> JSONResponse:
+    async def data(request: Request) -> JSONResponse:
+        if not tenants.authenticate(request).sees_all:  # 401 without a key (when keys are on)
+            raise ApiError(403, "the dashboard shows every tenant's traffic: it needs an operator key "
+                                "(gateway.operator_api_keys)", code="operator_key_required")
         r, fleet = connections()
         if r is None:
             return JSONResponse({"error": "the gateway is not connected to Redis"}, status_code=503)

@@ -82,7 +82,7 @@ class Dispatcher:
             raise
         try:
             return await self._enqueue(prep, await subscribing)
-        except ApiError:
+        except Exception:  # an ApiError, or a message that does not encode (an internal error)
             if cfg.gateway.admission:  # the reservation made by admission control is void
                 with contextlib.suppress(RedisError, OSError):
                     await release_backlog(r, self.keys, stage_of(prep.route), prep.request.tier,
@@ -124,4 +124,8 @@ class Dispatcher:
             session.finished = True  # never enqueued: nothing to cancel
             session.close(503)
             raise ApiError(503, f"could not enqueue the request: {exc}", code="redis_unavailable") from None
+        except Exception:  # the message did not encode: never enqueued, and its subscription must go
+            session.finished = True
+            session.close(500)
+            raise
         return session

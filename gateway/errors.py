@@ -4,13 +4,19 @@ Every error the gateway returns has the body
 ``{"error": {"message", "type", "param", "code"}}`` so the `openai` client and
 other OpenAI tools turn it into their own typed exceptions. Handlers raise
 `ApiError`; the app-level handlers installed by `install_handlers` also cover
-FastAPI's request validation, malformed JSON and anything unexpected (500,
-logged here with its traceback, never sent to the client).
+FastAPI's request validation, malformed JSON and anything unexpected.
+
+A failure that is not the client's (an unexpected exception, a chat template or
+tokenizer that crashes) is answered with one generic message naming a request
+id, also sent as `x-skyline-request-id`; its traceback is logged here under that
+id. An exception's text never reaches a client: it can name files, hosts,
+configuration or another request's data, and it never says what to fix.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 log = logging.getLogger("skyline.gateway")
+
+REQUEST_ID_HEADER = "x-skyline-request-id"
 
 # OpenAI's `type` for each status; the client maps statuses to exception classes itself.
 _TYPE_BY_STATUS = {
@@ -67,17 +75,107 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def from_vllm(exc: Exception) -> ApiError:
+def from_vllm(exc: Exception, request_id: str | None = None) -> ApiError:
     """An exception from vLLM's serving code or checks, answered as vLLM's server answers it
-    (its status, type, parameter and message). Anything that is neither vLLM's nor one of the
-    exception types vLLM maps to client errors is an internal error: logged, never sent."""
+    (its status, type, parameter and message) where vLLM wrote that message (`vllm_wrote`).
+    Anything else is an internal error: logged with its traceback under `request_id` (a new id
+    when the request has none yet), answered with `internal_error`."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-    if not isinstance(exc, (ValueError, TypeError, OverflowError, NotImplementedError)) and \
-            type(exc).__module__.split(".")[0] != "vllm":
-        return ApiError(500, "internal error in the Skyline gateway (see its log)", code="internal_error")
+    if not vllm_wrote(exc):
+        request_id = request_id or new_request_id()
+        log.error("internal error, request id %s", request_id, exc_info=exc)
+        return internal_error(request_id)
     err = create_error_response(exc).error
     return ApiError(int(err.code), err.message, param=err.param, type=err.type, code=int(err.code))
+
+
+def new_request_id() -> str:
+    """An id for a request that failed before it got one (before vLLM's serving code named it)."""
+    return f"gw-{uuid.uuid4().hex}"
+
+
+def internal_error(request_id: str) -> ApiError:
+    """The answer to a failure that is not the client's: the same words whatever failed, and the
+    id under which the gateway's log has the details."""
+    return ApiError(500, f"internal error in the Skyline gateway (request id {request_id}); its log has the "
+                         "details under that id", code="internal_error", headers={REQUEST_ID_HEADER: request_id})
+
+
+# The bare exception types vLLM's server answers 400 (501) where its code still raises them to
+# refuse a request (its fallback handlers: vllm/entrypoints/serve/exception_handling/register.py).
+_BARE_CLIENT_TYPES = (ValueError, TypeError, OverflowError, NotImplementedError)
+
+
+def vllm_wrote(exc: BaseException) -> bool:
+    """Whether `exc`'s message was written for the client by vLLM's code (or Skyline's, raising
+    vLLM's exception types), rather than being the text of a failure somewhere inside.
+
+    vLLM's: its own exception types; the bare ValueError & co. its code raises itself, or that the
+    standard library raises on a value vLLM's code handed it (`int()`, `json.loads`); and a chat
+    template's `raise_exception(...)`, its author's word to the client ("roles must alternate").
+    Not vLLM's: the same bare types raised by a tokenizer, a library or Skyline's own code, and a
+    vLLM error that only passes on the text of a crash: vLLM answers whatever rendering the chat
+    template raised (an undefined variable, a TypeError in the template) as a 400 carrying that
+    text (renderers/hf.py, `safe_apply_chat_template`), which is the template's failure, not the
+    client's. What it passes on from a plain ValueError that transformers raised to refuse the
+    conversation ("Cannot apply chat template to an empty conversation") stays the client's."""
+    if _template_says(exc):
+        return True
+    if type(exc).__module__.split(".")[0] == "vllm":
+        return _passed_on(exc) is None
+    return isinstance(exc, _BARE_CLIENT_TYPES) and _raised_in_vllm(exc) and _passed_on(exc) is None
+
+
+def _template_says(exc: BaseException) -> bool:
+    # transformers' `raise_exception` raises jinja2's base TemplateError; jinja2 itself raises only
+    # its subclasses (undefined variables, syntax errors, sandbox violations).
+    return type(exc).__module__ == "jinja2.exceptions" and type(exc).__name__ == "TemplateError"
+
+
+def _passed_on(exc: BaseException) -> BaseException | None:
+    """The crash whose text `exc` carries as its message (vLLM wraps it with `raise ... from`), if
+    any: an exception that is neither vLLM's, nor a template's `raise_exception`, nor a library's
+    plain ValueError refusing a value (raised by its code, not by the template's)."""
+    message = str(exc.args[0]) if exc.args else ""
+    seen: set[int] = set()
+    inner = exc.__cause__ or exc.__context__
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        refusal = type(inner).__module__.split(".")[0] == "vllm" or _template_says(inner) or (
+            type(inner) is ValueError and not _in_template(inner))
+        if not refusal and str(inner) == message:
+            return inner
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
+def _in_template(exc: BaseException) -> bool:
+    """Whether `exc` was raised while the chat template ran (through Jinja's code, or the template's
+    own frames, which Jinja names `<template>`), rather than by the code around it."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename == "<template>" or frame.f_globals.get("__name__", "").startswith("jinja2"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _raised_in_vllm(exc: BaseException) -> bool:
+    """The innermost frame of the traceback outside the standard library is vLLM's."""
+    import sys
+
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    for module in reversed(frames):
+        top = module.split(".")[0]
+        if top not in sys.stdlib_module_names:
+            return top == "vllm"
+    return False
 
 
 def from_validation(errors: list[dict[str, Any]]) -> ApiError:
@@ -145,8 +243,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, "internal error in the Skyline gateway (see its log)", code="internal_error").response()
+        request_id = new_request_id()
+        log.error("unhandled error on %s %s, request id %s", request.method, request.url.path, request_id,
+                  exc_info=exc)
+        return internal_error(request_id).response()
 
 
 class HeaderLimit:

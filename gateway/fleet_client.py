@@ -33,7 +33,7 @@ from starlette.requests import Request
 
 from skyline.core import messages
 from skyline.gateway.dispatch import Dispatcher
-from skyline.gateway.errors import ApiError, from_vllm
+from skyline.gateway.errors import ApiError, from_vllm, vllm_wrote
 from skyline.gateway.outputs import OutputAssembler
 from skyline.gateway.prepare import Prepared, SloSpec, prepare
 from skyline.gateway.session import Disconnected, Session
@@ -109,6 +109,7 @@ class FleetClient:
         scope = SCOPE.get()
         session: Session | None = None
         status, fin = 500, None
+        fleet_id: str | None = None  # what an internal error names (a new id until the fleet's is known)
         try:
             self._check(prompt, sampling_params, request_id, lora_request, priority)
             _refuse_engine_extras(prompt, sampling_params, session_id, kv_hints, data_parallel_rank,
@@ -156,9 +157,14 @@ class FleetClient:
             status = CLIENT_CLOSED
             raise
         except Exception as exc:
+            err = from_vllm(exc, fleet_id)
             if not scope.started and scope.error is None:
-                scope.error = from_vllm(exc)
-            raise
+                scope.error = err
+            if vllm_wrote(exc):
+                raise
+            # vLLM's serving code makes the client's error out of what generate() raises (a stream's
+            # error chunk carries its text): an internal failure goes on as its generic answer.
+            raise err from None
         finally:
             if session is not None:
                 self._by_id.pop(request_id, None)
@@ -176,6 +182,10 @@ class FleetClient:
             raise VLLMValidationError("Skyline serves token prompts only (no multimodal inputs)", parameter="prompt")
         self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=("generate",),
                                             lora_request=lora_request)
+        # vLLM bounds top_k only in its engine, which takes any top_k at or past the vocabulary as the
+        # whole vocabulary (v1 InputBatch). Say so here: a top_k past 64 bits does not encode for the
+        # workers, and would be a 500 for a request that means "no top-k".
+        params.top_k = min(params.top_k, self.model_config.get_vocab_size())
 
     async def _submit(self, scope: RequestScope, prep: Prepared, request_id: str) -> Session:
         observer = self.dispatcher.observer
@@ -226,7 +236,15 @@ def _fleet_id(scope: RequestScope, request_id: str) -> str:
     """
     if scope.kind == "completion" and scope.prompts == 1 and request_id.endswith("-0"):
         request_id = request_id[:-2]
-    return f"{request_id}-{uuid.uuid4().hex[:8]}" if scope.client_request_id else request_id
+    if not scope.client_request_id:
+        return request_id
+    # The id goes back in a response header: a control character (`"\r\n"`) or one past Latin-1 cannot
+    # (uvicorn drops the connection without an answer), so a client-chosen id is held to printable ASCII.
+    if not (request_id.isascii() and request_id.isprintable()):
+        param = "x-request-id" if "x-request-id" in scope.raw.headers else "request_id"
+        raise ApiError(400, f"{param} may hold only printable ASCII characters", param=param,
+                       code="invalid_request_id")
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_hints: Any,

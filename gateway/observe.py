@@ -11,7 +11,6 @@ is logged and counted, never raised into a request.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
@@ -27,10 +26,11 @@ from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
 from skyline.core.slo_record import Outcome, SloRecorder
-from skyline.core.timeline import Timeline, key_digest, now_ms, phase_durations, read_timeline, requester_of
+from skyline.core.timeline import Timeline, now_ms, phase_durations, read_timeline, requester_of
 from skyline.gateway.errors import ApiError
 from skyline.gateway.metrics import GatewayMetrics
-from skyline.gateway.prepare import Prepared, check_auth
+from skyline.gateway.prepare import Prepared
+from skyline.gateway.tenants import Tenants, tenant_of
 
 log = logging.getLogger("skyline.gateway")
 
@@ -40,12 +40,6 @@ _REFUSAL_DECISION = {"slo_unattainable": "reject", "overloaded": "overloaded"}
 
 def gateway_id() -> str:
     return f"gateway-{socket.gethostname()}-{os.getpid()}"
-
-
-def api_key_of(request: Request) -> str | None:
-    """The bearer token the request authenticated with (check_auth already validated it)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 class GatewayObserver:
@@ -77,8 +71,9 @@ class GatewayObserver:
         assert tl is not None
         tl.emit(req.request_id, "arrived", t_ms=req.arrival_ms, kind=prep.kind, prompt_tokens=len(req.prompt_token_ids),
                 max_tokens=req.sampling.max_tokens, stream=prep.stream, route=prep.route)
-        if self.cfg.gateway.api_keys and (key := api_key_of(request)):
-            tl.set_requester(req.request_id, key)
+        tenant = tenant_of(request)
+        if tenant is not None and tenant.owner:  # keys on: the timeline is its sender's (gateway/tenants.py)
+            tl.set_requester(req.request_id, tenant.owner)
 
     def enqueued(self, prep: Prepared, request: Request, t_enqueue_ms: int) -> None:
         """The request is in its first stream (`t_enqueue_ms`: taken just before the XADD,
@@ -153,16 +148,17 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
 
-def add_timeline_route(app: Any, cfg: SkylineConfig, keys: Keys, redis_of: Any) -> None:
+def add_timeline_route(app: Any, cfg: SkylineConfig, keys: Keys, redis_of: Any, tenants: Tenants) -> None:
     """`GET /v1/requests/{id}/timeline`: the request's events and phase durations.
 
     With API keys on, it takes a key like every inference route, and a client
-    reads only requests it sent (the gateway stored a digest of the sending
-    key); any other id answers 404, whether it exists or not.
+    reads only requests it sent (the gateway stored the sending key's owner
+    digest); any other id answers 404, whether it exists or not. Operator
+    keys read every timeline.
     """
     @app.get("/v1/requests/{request_id}/timeline")
     async def request_timeline(request_id: str, request: Request) -> JSONResponse:
-        check_auth(request, cfg.gateway.api_keys)
+        tenant = tenants.authenticate(request)
         r = redis_of()
         if r is None:
             raise ApiError(503, "the gateway is not connected to Redis", code="redis_unavailable")
@@ -170,10 +166,8 @@ def add_timeline_route(app: Any, cfg: SkylineConfig, keys: Keys, redis_of: Any) 
                                   f"(kept {cfg.observability.timeline_ttl_s} s) or not sent with this API key",
                              code="timeline_not_found")
         try:
-            if cfg.gateway.api_keys:
-                owner = await requester_of(r, keys, request_id)
-                if owner is None or not hmac.compare_digest(owner, key_digest(api_key_of(request) or "")):
-                    raise not_found
+            if not tenant.sees_all and not tenant.owns(await requester_of(r, keys, request_id)):
+                raise not_found
             events = await read_timeline(r, keys, request_id)
         except (RedisError, OSError) as exc:
             raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None

@@ -116,11 +116,28 @@ def json_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
         body = json.loads(raw)
+        # JSON lets a string hold an unpaired UTF-16 surrogate (`"\udcff"`), which is no Unicode text:
+        # the tokenizer fails on it. Only a body with a `\ud` escape can hold one (raw UTF-8 cannot),
+        # so the cheap test on the bytes spares every other body the check of its strings.
+        text_ok = not (b"\\ud" in raw or b"\\uD" in raw) or _valid_unicode(body)
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # `[[[[...]]]]` some thousand levels deep: Python's parser recurses per level
+        raise ApiError(400, "request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if not text_ok:
+        raise ApiError(400, "request body has a string with an unpaired surrogate escape (\\ud800-\\udfff); "
+                            "send valid Unicode text", code="invalid_json")
     return body
+
+
+def _valid_unicode(body: Any) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # UTF-8 has no encoding for a lone surrogate
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def pop_slo(body: dict[str, Any]) -> SloSpec | None:
@@ -197,8 +214,9 @@ def _int_header(value: str | None, name: str) -> int | None:
         return None
     try:
         return int(float(value))
-    except (ValueError, OverflowError):  # "abc"; "inf", "1e400"
-        raise ApiError(400, f"header {name} must be a number of milliseconds, got {value!r}",
+    except (ValueError, OverflowError):  # "abc", "nan"; "inf", "1e400" (float() gives inf, int() refuses it)
+        shown = value if len(value) <= 40 else value[:40] + "..."  # a header may be kilobytes long
+        raise ApiError(400, f"header {name} must be a finite number of milliseconds such as 500, got {shown!r}",
                        param=name, code="invalid_slo") from None
 
 

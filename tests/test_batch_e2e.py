@@ -134,6 +134,10 @@ def test_openai_client_round_trip_with_a_bad_line(client, fleet, runner, tmp_pat
     assert done.usage.output_tokens == 5 * 8
 
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+    # Without API keys everyone is one anonymous tenant: every file is listed, the batch's outputs too.
+    assert uploaded.id in [f.id for f in client.files.list(purpose="batch", limit=100).data]
+    outputs = [f.id for f in client.files.list(purpose="batch_output", limit=100).data]
+    assert done.output_file_id in outputs and done.error_file_id in outputs
     conn = redis.Redis.from_url(fleet.redis_url)
     queue_name = Keys(fleet.key_prefix).batch_queue()
     assert batch.id in FinishedJobRegistry(queue_name, connection=conn).get_job_ids()  # what `rq info` counts

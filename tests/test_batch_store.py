@@ -98,3 +98,51 @@ def test_batches_are_listed_newest_first_with_paging(redis_url, key_prefix):
         await st.r.aclose()
 
     run(go())
+
+
+def test_owners_lists_hold_only_their_own_and_the_batch_files_are_the_batch_owners(redis_url, key_prefix):
+    async def go():
+        st = await _store(redis_url, key_prefix)
+        for i in range(4):  # alternating owners; "" (a gateway without keys) is listed only with everything
+            await st.create_batch({**_batch(f"batch_o{i}", 200 + i), "owner": ("alice", "bob")[i % 2]})
+        await st.create_batch(_batch("batch_anon", 300))
+        assert [b["id"] for b in (await st.list_batches(None, 10, "alice"))[0]] == ["batch_o2", "batch_o0"]
+        page, more = await st.list_batches(None, 1, "bob")
+        assert [b["id"] for b in page] == ["batch_o3"] and more
+        assert [b["id"] for b in (await st.list_batches("batch_o3", 10, "bob"))[0]] == ["batch_o1"]
+        everyone, _ = await st.list_batches(None, 10)
+        assert [b["id"] for b in everyone] == ["batch_anon", "batch_o3", "batch_o2", "batch_o1", "batch_o0"]
+        assert "owner" not in everyone[1]  # the digest stays in Redis: it is no field of the OpenAI object
+
+        await st.record("batch_o0", 1, jsonl.response_line("c1", 200, "cmpl-1", {}))
+        await st.record("batch_o0", 2, jsonl.response_line("c2", 400, "cmpl-2", {"error": {"message": "no"}}))
+        done = await st.finalize("batch_o0", {1: "c1", 2: "c2"}, "completed", "missing_result", "none")
+        for fid in (done["output_file_id"], done["error_file_id"]):
+            assert (await st.file_fields(fid))["owner"] == "alice"
+        alices, _ = await st.list_files(None, 10, "alice")
+        assert {f["id"] for f in alices} == {done["output_file_id"], done["error_file_id"]}
+        assert (await st.list_files(None, 10, "bob")) == ([], False)
+        await st.r.aclose()
+
+    run(go())
+
+
+def test_files_are_listed_by_purpose_in_either_order_and_expired_ones_drop_out(redis_url, key_prefix):
+    async def go():
+        st = await _store(redis_url, key_prefix)
+        ids = []
+        for i in range(5):
+            f = await st.put_file(b"{}\n", f"f{i}.jsonl", "batch" if i != 2 else "batch_output", owner="alice")
+            ids.append(f["id"])
+            await st.r.zadd(Keys(key_prefix).files_of("alice"), {f["id"]: 100 + i})  # distinct creation seconds
+        newest, more = await st.list_files(None, 2, "alice", "batch")
+        assert [f["id"] for f in newest] == [ids[4], ids[3]] and more
+        rest, more = await st.list_files(ids[3], 10, "alice", "batch")
+        assert [f["id"] for f in rest] == [ids[1], ids[0]] and not more  # ids[2] is another purpose
+        await st.r.delete(Keys(key_prefix).file(ids[0]))  # expired
+        oldest, _ = await st.list_files(None, 10, "alice", newest_first=False)
+        assert [f["id"] for f in oldest] == ids[1:]
+        assert ids[0].encode() not in await st.r.zrange(Keys(key_prefix).files_of("alice"), 0, -1)
+        await st.r.aclose()
+
+    run(go())

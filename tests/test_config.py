@@ -83,11 +83,31 @@ def _load(tmp_path, text: str):
     ('default_tier = "fast"\n', "default_tier = 'fast' is not one of the tiers"),
     ("[engine]\nlong_prefill_token_threshold = 512\n",
      "[engine] long_prefill_token_threshold = 512 must be at most max_num_batched_tokens = 256"),
+    ('[gateway]\napi_keys = ["k1", "k2"]\noperator_api_keys = ["k2"]\n',
+     "[gateway] a key is in both api_keys and operator_api_keys"),
 ])
 def test_a_bad_value_is_refused_at_load_naming_its_key(tmp_path, text, message):
     with pytest.raises(ValueError) as caught:
         _load(tmp_path, text)
     assert message in str(caught.value), str(caught.value)
+
+
+def test_operator_keys_come_from_the_file_and_the_flag_and_are_never_named_in_errors(tmp_path):
+    (tmp_path / "ops.txt").write_text("op-from-file  # the runner's\n\n")
+    cfg = load_config(_write(tmp_path, f'[gateway]\noperator_api_key_file = "{tmp_path / "ops.txt"}"\n'),
+                      {"gateway": {"operator_api_keys": ["op-from-flag"]}})
+    assert cfg.gateway.operator_api_keys == ("op-from-flag", "op-from-file") and cfg.gateway.api_keys == ()
+    (tmp_path / "keys.txt").write_text("op-from-file\n")
+    with pytest.raises(ValueError) as caught:  # the same key as a tenant's too: refused, the key itself unsaid
+        load_config(_write(tmp_path, f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n'
+                                     f'operator_api_key_file = "{tmp_path / "ops.txt"}"\n'))
+    assert "both api_keys and operator_api_keys" in str(caught.value) and "op-from-file" not in str(caught.value)
+
+
+def _write(tmp_path, text: str):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    return f
 
 
 def test_every_problem_is_listed_at_once(tmp_path):

@@ -69,6 +69,40 @@ async def test_dashboard_renders_live_charts_tables_and_a_timeline(redis_url, ke
         shutil.copy(shot, out / "dashboard.png")
 
 
+async def test_with_api_keys_the_page_asks_for_an_operator_key_and_then_renders(redis_url, key_prefix, tmp_path):
+    # No workers needed: what is checked is who may read /dashboard/data (gateway/dashboard.py).
+    tenant, operator = "sk-dash-tenant-" + key_prefix, "sk-dash-operator-" + key_prefix
+    fleet = Fleet(redis_url, key_prefix, "sim", tmp_path,
+                  gateway_args=("--api-key", tenant, "--operator-api-key", operator))
+    with fleet.running({}, timeout_s=60):
+        async with Browser(tmp_path / "chromium-profile") as page:
+            await page.goto(f"{fleet.url}/dashboard")  # the page itself needs no key: it holds no data
+            await page.wait_for("window.dashboardState && window.dashboardState.needsKey")
+            assert await page.eval("document.getElementById('key-form').hidden") is False
+            assert await page.eval("window.dashboardState.polls") == 0
+
+            async def enter(key: str) -> None:
+                await page.eval(f"document.getElementById('key-input').value = {json.dumps(key)};"
+                                "document.getElementById('key-form').requestSubmit()")
+
+            await enter(tenant)  # a valid key, but a tenant's: the fleet's traffic is not for it
+            await page.wait_for("window.dashboardState.needsKey && "
+                                "document.getElementById('key-why').textContent.includes('operator key')")
+            assert await page.eval("window.dashboardState.polls") == 0
+            assert await page.eval("sessionStorage.getItem('skyline-api-key')") is None  # a refused key is dropped
+
+            await enter(operator)
+            await page.wait_for("window.dashboardState.polls >= 2")
+            state = await page.eval("window.dashboardState")
+            assert state["errors"] == 0 and not state["needsKey"], state["lastError"]
+            assert await page.eval("document.getElementById('key-form').hidden") is True
+            assert "no live workers" in await page.eval("document.getElementById('workers').textContent")
+            assert await page.eval("location.search") == ""  # the key never went into the URL
+            # The only errors: the browser's own lines for the refused data fetches (401, then 403).
+            refused = [e for e in page.errors if "dashboard/data" in e and ("401" in e or "403" in e)]
+            assert refused and refused == page.errors, page.errors
+
+
 def check_json_logs(log_dir: Path) -> None:
     """--log-format json: every line an object; one per request event, with request id and worker."""
     seen = {}

@@ -127,6 +127,18 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
         assert not any(API_KEY in c for c in _cmdlines())
         password = (tmp_path / "redis-fleet.password").read_text().strip()
         assert password and not any(password in c for c in _cmdlines())
+        # Keys on and no operator key configured: `up` made one (the batch runner runs every tenant's
+        # batches with it), kept beside the password and as far from command lines.
+        operator = (tmp_path / "operator.key").read_text().strip()
+        assert operator.startswith("sk-operator-") and not any(operator in c for c in _cmdlines())
+        for key, status in ((operator, 200), (API_KEY, 403)):
+            data = urllib.request.Request(f"http://127.0.0.1:{gw_port}/dashboard/data",
+                                          headers={"Authorization": f"Bearer {key}"})
+            try:
+                with urllib.request.urlopen(data, timeout=10) as resp:
+                    assert resp.status == status
+            except urllib.error.HTTPError as exc:
+                assert exc.code == status
     finally:
         rc = term.ctrl_c()
     assert rc == 0

@@ -84,7 +84,8 @@ def _client(cfg: SkylineConfig):
 
     from skyline.batch.worker import gateway_url
 
-    key = cfg.gateway.api_keys[0] if cfg.gateway.api_keys else "unused"
+    # A client: it sends the first tenant key (its batches are that tenant's), an operator key only without one.
+    key = (cfg.gateway.api_keys or cfg.gateway.operator_api_keys or ("unused",))[0]
     return openai.OpenAI(base_url=gateway_url(cfg) + "/v1", api_key=key, max_retries=2)
 
 

@@ -6,6 +6,13 @@ different hosts, and Redis is the one thing they all reach. Uploads are
 bounded (`batch.max_file_bytes`, `batch.max_lines`) and expire
 (`batch.file_ttl_s`), so the memory a batch can take is bounded too.
 
+Ownership: with API keys on, a file and a batch carry `owner`, the digest of
+the key that created it (gateway/tenants.py decides who may see what; this
+module only keeps it). A batch's output and error files get the batch's
+owner. Lists come from sorted sets: one of everything (operators, keyless
+gateways) and one per owner, so a tenant's list never walks other tenants'
+entries.
+
 Every change of a batch's status is a Lua transition that names the states
 it may leave, so a cancel racing a runner (or two runners racing after a
 retry) settles on one outcome. A line's result is recorded at most once
@@ -67,12 +74,16 @@ class BatchStore:
 
     # ---- files --------------------------------------------------------------------------
 
-    async def put_file(self, content: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+    async def put_file(self, content: bytes, filename: str, purpose: str, file_id: str | None = None,
+                       owner: str = "") -> dict[str, Any]:
+        """Store a file; `owner` ("" = none: a gateway without keys) is kept with it and lists it."""
         fid = file_id or new_file_id()
         now = int(time.time())
         meta = {"id": fid, "filename": filename, "purpose": purpose, "bytes": len(content), "created_at": now}
         if self.ttl_s:
             meta["expires_at"] = now + self.ttl_s
+        if owner:
+            meta["owner"] = owner
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.file(fid))  # a re-written output file replaces the old one whole
         pipe.hset(self.keys.file(fid), mapping=meta)
@@ -81,11 +92,30 @@ class BatchStore:
             pipe.expire(self.keys.file(fid), self.ttl_s)
             pipe.expire(self.keys.file_content(fid), self.ttl_s)
         await pipe.execute()
+        # The lists after the file itself, outside its transaction: they have no hash tag (another
+        # Cluster slot), and a listed id whose file is missing is dropped by the next listing anyway.
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(self.keys.files, {fid: now})
+        if owner:
+            pipe.zadd(self.keys.files_of(owner), {fid: now})
+        await pipe.execute()
         return file_object(meta)
+
+    async def file_fields(self, file_id: str) -> dict[str, str] | None:
+        """The file's hash as text, `owner` included (None: no such file, or expired)."""
+        raw = await self.r.hgetall(self.keys.file(file_id))
+        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
     async def file(self, file_id: str) -> dict[str, Any] | None:
         raw = await self.r.hgetall(self.keys.file(file_id))
         return file_object(raw) if raw else None
+
+    async def list_files(self, after: str | None, limit: int, owner: str = "", purpose: str | None = None,
+                         newest_first: bool = True) -> tuple[list[dict[str, Any]], bool]:
+        """Files as OpenAI lists them (`after` an id, at most `limit`, optionally of one `purpose`):
+        `owner`'s, or every file when `owner` is ""."""
+        return await self._page(self.keys.files_of(owner) if owner else self.keys.files, after, limit, self.file,
+                                (lambda f: f["purpose"] == purpose) if purpose else None, newest_first)
 
     async def file_content(self, file_id: str) -> bytes | None:
         return await self.r.get(self.keys.file_content(file_id))
@@ -93,9 +123,12 @@ class BatchStore:
     # ---- batches ------------------------------------------------------------------------
 
     async def create_batch(self, fields: dict[str, Any]) -> None:
+        """A new batch hash; an `owner` field (the creating key's digest) also lists it for that owner."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(fields["id"]), mapping={k: v for k, v in fields.items() if v is not None})
         pipe.zadd(self.keys.batches, {fields["id"]: fields["created_at"]})
+        if fields.get("owner"):
+            pipe.zadd(self.keys.batches_of(fields["owner"]), {fields["id"]: fields["created_at"]})
         await pipe.execute()
 
     async def batch_fields(self, batch_id: str) -> dict[str, str] | None:
@@ -112,26 +145,42 @@ class BatchStore:
         raw = await self.r.hget(self.keys.batch(batch_id), "status")
         return raw.decode() if raw else None
 
-    async def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first, OpenAI-style paging: the batches created before `after`, at most `limit`."""
+    async def list_batches(self, after: str | None, limit: int, owner: str = "") -> tuple[list[dict[str, Any]], bool]:
+        """Newest first, OpenAI-style paging: the batches created before `after`, at most `limit`;
+        `owner`'s, or every batch when `owner` is ""."""
+        return await self._page(self.keys.batches_of(owner) if owner else self.keys.batches, after, limit,
+                                self.batch)
+
+    async def _page(self, zset: str, after: str | None, limit: int, load: Any, keep: Any = None,
+                    newest_first: bool = True) -> tuple[list[dict[str, Any]], bool]:
+        """One page of the objects listed in `zset` (id -> created_at), after the id `after`:
+        at most `limit` objects that `load(id)` finds and `keep(obj)` (when given) accepts, and
+        whether more follow. Ids whose object expired are dropped from `zset` on the way."""
+        rank_of, ids_in = ((self.r.zrevrank, self.r.zrevrange) if newest_first else (self.r.zrank, self.r.zrange))
         start = 0
         if after:
-            rank = await self.r.zrevrank(self.keys.batches, after)
+            rank = await rank_of(zset, after)
             if rank is None:
                 return [], False
             start = rank + 1
-        ids = await self.r.zrevrange(self.keys.batches, start, start + limit)  # one extra: is there more?
-        out, gone = [], []
-        for raw_id in ids[:limit]:
-            bid = raw_id.decode()
-            obj = await self.batch(bid)
-            if obj is None:
-                gone.append(bid)  # its hash expired
-            else:
-                out.append(obj)
+        out: list[dict[str, Any]] = []
+        gone: list[str] = []
+        while len(out) <= limit:  # one more than asked: is there more?
+            chunk = await ids_in(zset, start, start + limit)
+            if not chunk:
+                break
+            start += len(chunk)
+            for raw_id in chunk:
+                obj = await load(raw_id.decode())
+                if obj is None:
+                    gone.append(raw_id.decode())  # its hash expired
+                elif keep is None or keep(obj):
+                    out.append(obj)
+                    if len(out) > limit:
+                        break
         if gone:
-            await self.r.zrem(self.keys.batches, *gone)
-        return out, len(ids) > limit
+            await self.r.zrem(zset, *gone)
+        return out[:limit], len(out) > limit
 
     async def transition(self, batch_id: str, allowed_from: tuple[str, ...], to: str,
                          **fields: Any) -> tuple[bool, str]:
@@ -196,14 +245,15 @@ class BatchStore:
             p, c = jsonl.usage_of(parsed)
             prompt, completion = prompt + p, completion + c
         stem = batch_id.removeprefix("batch_")
+        owner = (await self.batch_fields(batch_id) or {}).get("owner", "")  # the batch's files are its owner's
         files: dict[str, Any] = {}
         if output:
             f = await self.put_file(("\n".join(output) + "\n").encode(), f"{batch_id}_output.jsonl",
-                                    "batch_output", f"file-{stem}-output")
+                                    "batch_output", f"file-{stem}-output", owner)
             files["output_file_id"] = f["id"]
         if errors:
             f = await self.put_file(("\n".join(errors) + "\n").encode(), f"{batch_id}_error.jsonl",
-                                    "batch_output", f"file-{stem}-errors")
+                                    "batch_output", f"file-{stem}-errors", owner)
             files["error_file_id"] = f["id"]
         now = int(time.time())
         # The counters are recounted from the results: the filled lines were not counted as they went in.

@@ -83,14 +83,23 @@ def gateway_url(cfg: SkylineConfig) -> str:
     return f"http://{host}:{cfg.gateway.port}"
 
 
+def runner_key(cfg: SkylineConfig) -> str | None:
+    """The key the runner sends: an operator key runs every tenant's batches (gateway/tenants.py); a tenant
+    key only that tenant's (the gateway answers 404 for the others' as for missing batches)."""
+    g = cfg.gateway
+    if g.api_keys and not g.operator_api_keys:
+        log.warning("batch runner: no operator key (gateway.operator_api_keys, SKYLINE_OPERATOR_API_KEYS); "
+                    "with the first API key it can run only that key's batches")
+    return (g.operator_api_keys or g.api_keys or (None,))[0]
+
+
 def main(cfg: SkylineConfig, name: str | None = None, burst: bool = False) -> None:
     """Work the batch queue until stopped (or, with `burst`, until it is empty)."""
     bc = cfg.batch
     keys = Keys(cfg.key_prefix)
     conn = rq_connection(cfg.redis)
     stopping = threading.Event()
-    runner.configure(runner.RunnerContext(cfg, gateway_url(cfg), cfg.gateway.api_keys[0] if cfg.gateway.api_keys
-                                          else None, stopping))
+    runner.configure(runner.RunnerContext(cfg, gateway_url(cfg), runner_key(cfg), stopping))
     worker = BatchRunnerWorker(
         [Queue(keys.batch_queue(), connection=conn)], connection=conn,
         name=name or f"batch-runner-{socket.gethostname()}-{os.getpid()}",

@@ -210,12 +210,22 @@ def _rq_registered(cfg: SkylineConfig, name: str) -> Callable[[], bool]:
 
 def fleet_password(home: Path) -> str:
     """The local fleet's Redis password: made once, kept in $SKYLINE_HOME (mode 0600)."""
-    path = home / "redis-fleet.password"
+    return _local_secret(home / "redis-fleet.password")
+
+
+def local_operator_key(home: Path) -> str:
+    """An operator key for a fleet whose keys are all tenants': its batch runner runs every tenant's
+    batches, and the dashboard needs one. Made once, kept in $SKYLINE_HOME (mode 0600)."""
+    return _local_secret(home / "operator.key", prefix="sk-operator-")
+
+
+def _local_secret(path: Path, prefix: str = "") -> str:
+    home = path.parent
     if not path.exists():
         home.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(24))
+            fh.write(prefix + secrets.token_urlsafe(24))
     return path.read_text().strip()
 
 
@@ -264,6 +274,9 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if cfg.gateway.api_keys:  # in the environment, not on command lines, where `ps` shows them to everyone
             env[envs.API_KEYS.name] = ",".join(cfg.gateway.api_keys)
+        if cfg.gateway.api_keys and not cfg.gateway.operator_api_keys:
+            cfg = replace(cfg, gateway=replace(cfg.gateway, operator_api_keys=(local_operator_key(home),)))
+            console.line(f"operator key (the dashboard, the batch runner): in {home / 'operator.key'}")
         if cfg.gateway.operator_api_keys:  # the gateway's, and the batch runner's (it runs every tenant's batches)
             env[envs.OPERATOR_API_KEYS.name] = ",".join(cfg.gateway.operator_api_keys)
         common = _common_args(cfg, args)

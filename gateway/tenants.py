@@ -1,0 +1,137 @@
+"""Who is asking, and what they may see: tenants (API keys) and operators.
+
+With API keys on, every object a client creates (an uploaded file, a batch and
+its output and error files, a request's timeline) records its owner: the
+digest of the key that created it (`key_digest`: HMAC-SHA256 under the owner
+secret; Redis never holds a key). A tenant sees only what it owns: any other
+id answers exactly as a missing one (same 404, same message), so a tenant
+cannot even learn that another tenant's id exists, and lists hold only its
+own objects. Operator keys (`gateway.operator_api_keys`) call every route and
+see and manage every tenant's objects; the dashboard and batch runners need
+one. Without keys, everyone is one anonymous tenant that sees everything.
+
+Batch lines run as their batch's owner: the line route runs each through the
+gateway's own endpoint in process (`on_behalf_of`), so the request's timeline
+belongs to the tenant whose batch it is, not to the runner's operator key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.requests import Request
+
+from skyline.core.config import GatewayConfig
+from skyline.core.config_rules import ConfigError
+from skyline.core.timeline import key_digest
+from skyline.gateway.prepare import check_auth
+
+log = logging.getLogger("skyline.gateway")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    owner: str  # recorded on what it creates: its key's digest; "" on a gateway without keys
+    sees_all: bool = False  # an operator key, or anyone on a gateway without keys
+
+    def owns(self, owner: str | None) -> bool:
+        """May this tenant see an object recorded with `owner` (None: recorded without one)?"""
+        if self.sees_all:
+            return True
+        return bool(owner) and hmac.compare_digest(owner, self.owner)
+
+    @property
+    def lists_of(self) -> str:
+        """Whose objects its lists show: its own, or "" (everyone's)."""
+        return "" if self.sees_all else self.owner
+
+
+ANONYMOUS = Tenant("", sees_all=True)
+
+# Set by the batch line route around its in-process request (see the module docstring).
+_ACTING_FOR: ContextVar[str] = ContextVar("skyline_acting_for", default="")
+
+
+@contextmanager
+def on_behalf_of(owner: str) -> Iterator[None]:
+    """Requests authenticated inside this block (in this task) are `owner`'s: the batch line
+    route, which has checked that its caller may run the batch, runs the line as the batch's
+    owner. A context variable, not a header, so no client can claim to act for someone."""
+    token = _ACTING_FOR.set(owner)
+    try:
+        yield
+    finally:
+        _ACTING_FOR.reset(token)
+
+
+def api_key_of(request: Request) -> str | None:
+    """The bearer token the request authenticated with (check_auth already validated it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def tenant_of(request: Request) -> Tenant | None:
+    """The tenant `Tenants.authenticate` found for this request (None: not authenticated yet)."""
+    return getattr(request.state, "tenant", None)
+
+
+class Tenants:
+    """The gateway's keys and owner secret, fixed for the life of the app."""
+
+    def __init__(self, g: GatewayConfig):
+        self.keys = g.api_keys + g.operator_api_keys  # either kind may call every route
+        self.operator_keys = g.operator_api_keys
+        self.secret = owner_secret(g)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.keys)
+
+    def authenticate(self, request: Request) -> Tenant:
+        """The request's tenant (401 without a valid key, when keys are on), kept on the request
+        for what runs later in it (the timeline's requester)."""
+        check_auth(request, self.keys)
+        if not self.keys:
+            tenant = ANONYMOUS
+        elif acting := _ACTING_FOR.get():
+            tenant = Tenant(acting)
+        else:
+            key = api_key_of(request) or ""
+            # Constant-time, like check_auth: which keys are operators' must not show in timing either.
+            operator = any(hmac.compare_digest(key.encode(), k.encode()) for k in self.operator_keys)
+            tenant = Tenant(key_digest(key, self.secret), sees_all=operator)
+        request.state.tenant = tenant
+        return tenant
+
+
+def owner_secret(g: GatewayConfig) -> bytes:
+    """The HMAC key of the owner digests: `gateway.owner_secret_file`, else derived from the keys.
+
+    A configured secret is the one to use in production: every gateway of the fleet reads the same
+    file, and keys can be added, rotated or removed without touching what tenants own. Without
+    it the secret is derived from the tenant keys (the operator keys when there are none), so a
+    fleet whose gateways share a key list agrees on owners with nothing more to configure, and
+    the secret is still nothing Redis holds; but changing that key list re-keys every owner, and
+    tenants no longer see what they created before (operators still do). Operator keys are left
+    out of the derivation so adding one (for a new batch runner, say) changes nothing.
+    """
+    if g.owner_secret_file:
+        try:
+            secret = Path(g.owner_secret_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"[gateway] owner_secret_file = {g.owner_secret_file!r}: {exc}") from None
+        if not secret:
+            raise ConfigError(f"[gateway] owner_secret_file = {g.owner_secret_file!r} is empty")
+        return secret.encode()
+    basis = sorted(set(g.api_keys or g.operator_api_keys))
+    if basis:
+        log.warning("gateway.owner_secret_file is not set: owner digests are keyed by a secret derived from the "
+                    "API keys; changing the keys hides earlier files, batches and timelines from their tenants")
+    return hashlib.sha256(b"skyline-owner-secret\0" + "\0".join(basis).encode()).digest()
