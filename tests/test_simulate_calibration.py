@@ -22,7 +22,7 @@ from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
-PROFILE = ROOT / "skyline" / "simulate" / "profiles" / "cpu-1core-nixl.json"
+PROFILE = ROOT / "skyline" / "tools" / "simulate" / "profiles" / "cpu-1core-nixl.json"
 
 
 def test_the_profile_carries_a_measured_handoff_and_the_model_uses_it():

@@ -20,7 +20,7 @@ from tests.simmodels import HandModel
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
-PROFILES = ROOT / "skyline" / "simulate" / "profiles"
+PROFILES = ROOT / "skyline" / "tools" / "simulate" / "profiles"
 # The measured runs below predate the background step (scheduler/step_budget.py): their engines stepped full.
 AS_MEASURED = with_overrides(load_config(None), background_step_tokens=0, hold_background_steps=0)
 

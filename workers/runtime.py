@@ -447,7 +447,10 @@ class WorkerRuntime:
             except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
                 log.exception("request %s failed", rid)
                 self.counters["failed"] += 1
-                await self.fail(claimed, 500, f"{self.role} worker {self.worker_id} failed: {exc}")
+                # The exception's text stays in this worker's log: it may quote internals, never the client's.
+                await self.fail(claimed, 500, f"internal error in {self.role} worker {self.worker_id} "
+                                              f"({type(exc).__name__}); its log has the details under request id "
+                                              f"{rid}", code="internal_error", detail=f"{type(exc).__name__}: {exc}")
             finally:
                 tombstone.cancel()
                 self.preempting.discard(me)
@@ -459,9 +462,10 @@ class WorkerRuntime:
         self._hold(claimed, asyncio.create_task(guarded(), name=f"{self.role}:{rid}"))
 
     async def fail(self, claimed: Claimed, status: int, message: str, code: str | None = None,
-                   dead_letter: bool = True) -> None:
+                   dead_letter: bool = True, detail: str | None = None) -> None:
         """End a request with an explicit error frame, record it in the dead-letter
-        stream (for a human to look at), and ack it: never drop a request silently."""
+        stream (for a human to look at, with `detail` when the client's message leaves it
+        out), and ack it: never drop a request silently."""
         req = _request_of(claimed.message)
         self.timeline.emit(req.request_id, "failed", status=status, reason=code or "error", dead_letter=dead_letter)
         frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message, code=code)
@@ -470,7 +474,7 @@ class WorkerRuntime:
         if dead_letter:
             pipe.xadd(
                 self.keys.dead,
-                {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": message,
+                {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
                  "msg": messages.encode(claimed.message)},
                 maxlen=10_000, approximate=True,
             )
