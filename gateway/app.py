@@ -2,10 +2,11 @@
 
 Request path of a generation route (each step can refuse with an OpenAI error
 before the next runs, so a refused request never reaches a queue):
-auth -> rate limit -> body size -> JSON -> Skyline's `slo` extension ->
-vLLM's request model (its 400s) -> vLLM's serving code (rendering, tools,
-sampling parameters, its 400s) -> FleetClient.generate per prompt (vLLM's
-engine-side checks, SLO, route, live workers, admission, subscribe, enqueue)
+auth -> rate limit -> token budget (a key in debt) -> body size -> JSON ->
+Skyline's `slo` extension -> vLLM's request model (its 400s) -> vLLM's serving
+code (rendering, tools, sampling parameters, its 400s) -> FleetClient.generate
+per prompt (vLLM's engine-side checks, SLO and the tenant's tiers, route, the
+token budget on the prompt's tokens, live workers, admission, subscribe, enqueue)
 -> the fleet's frames as vLLM outputs -> vLLM's response or SSE chunks, with
 Skyline's `skyline` extension added -> unsubscribe.
 Abandoned requests (client gone, timeout) are cancelled in the fleet.
@@ -43,7 +44,7 @@ from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver, add_timeline_route
 from skyline.gateway.openai_api import Frontend, build_frontend
 from skyline.gateway.prepare import Serving, json_body, pop_slo, read_body
-from skyline.gateway.ratelimit import KeyRateLimiter
+from skyline.gateway.ratelimit import KeyRateLimiter, TokenBudgets
 from skyline.gateway.relay import Relay
 from skyline.gateway.tenants import Tenants, api_key_of
 from skyline.scheduler.admission import TtftCalibration
@@ -104,7 +105,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
-    generation = _GenerationRoutes(cfg, front, rate_limiter, metrics, tenants)
+    generation = _GenerationRoutes(cfg, front, rate_limiter, dispatcher.budgets, metrics, tenants)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -190,22 +191,26 @@ def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
 class _GenerationRoutes:
     """What every generation route does around vLLM's serving call."""
 
-    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, metrics: GatewayMetrics,
-                 tenants: Tenants):
+    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, budgets: TokenBudgets,
+                 metrics: GatewayMetrics, tenants: Tenants):
         self.cfg = cfg
         self.tenants = tenants
         self.front = front
         self.rate_limiter = rate_limiter
+        self.budgets = budgets
         self.metrics = metrics
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        self.tenants.authenticate(request)  # tenant and operator keys alike; remembered for the timeline's owner
+    async def _body(self, request: Request, generates: bool = True) -> dict[str, Any]:
+        # Tenant and operator keys alike; the tenant is remembered for the timeline's owner and its limits.
+        tenant = self.tenants.authenticate(request)
         self.rate_limiter.check(api_key_of(request))  # before any work: a flooding tenant costs the least
+        if generates:  # a key in debt: refused before its body is read and rendered
+            self.budgets.check(tenant.owner, tenant.tokens_per_minute)
         return json_body(await read_body(request, self.cfg.gateway.max_body_bytes))
 
     async def plain(self, request: Request, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
-        """A route that never reaches the fleet (tokenize, detokenize)."""
-        body = await self._body(request)
+        """A route that never reaches the fleet (tokenize, detokenize): no token budget to spend."""
+        body = await self._body(request, generates=False)
         try:
             req = _validate(model, body)
         except ValidationError as exc:

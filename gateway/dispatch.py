@@ -2,8 +2,9 @@
 
 `Dispatcher.submit` is the one way a prepared request enters the fleet. It owns
 the connections the gateway's lifespan opens (Redis, the token relay, the
-cached fleet view) and the per-request hooks (timeline, SLO record, TTFT
-calibration) every `Session` closes with.
+cached fleet view), the per-request hooks (timeline, SLO record, TTFT
+calibration) every `Session` closes with, and the tenants' token budgets
+(gateway/ratelimit.py), which the fleet client charges around `submit`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
 from skyline.gateway.prepare import Prepared, Serving, needed_roles
+from skyline.gateway.ratelimit import TokenBudgets
 from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
 from skyline.scheduler.admission import TtftCalibration, stage_of
@@ -45,6 +47,7 @@ class Dispatcher:
     relay: Relay | None = None
     fleet: FleetView | None = None
     background: set[asyncio.Task] = field(default_factory=set)  # cancel publishes in flight
+    budgets: TokenBudgets = field(default_factory=TokenBudgets)  # tenants' token budgets, in this process
 
     def __post_init__(self) -> None:
         self.admission_policy = self.cfg.admission_policy()

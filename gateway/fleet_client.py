@@ -37,6 +37,7 @@ from skyline.gateway.errors import ApiError, from_vllm, vllm_wrote
 from skyline.gateway.outputs import OutputAssembler
 from skyline.gateway.prepare import Prepared, SloSpec, prepare
 from skyline.gateway.session import Disconnected, Session
+from skyline.gateway.tenants import ANONYMOUS, tenant_of
 
 log = logging.getLogger("skyline.gateway")
 
@@ -116,10 +117,20 @@ class FleetClient:
                                   _parser_state.get("reasoning_parser_kwargs"))
             ids = list(prompt["prompt_token_ids"])
             fleet_id = _fleet_id(scope, request_id)
+            tenant = tenant_of(scope.raw) or ANONYMOUS
             prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
                            sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival,
-                           cache_salt=prompt.get("cache_salt"))
-            session = await self._submit(scope, prep, request_id)
+                           cache_salt=prompt.get("cache_salt"), strictest_tier=tenant.strictest_tier)
+            # The token budget, in this process: before anything touches Redis (gateway/ratelimit.py).
+            spent = self.dispatcher.budgets.admit(tenant.owner, tenant.tokens_per_minute, len(ids))
+            try:
+                session = await self._submit(scope, prep, request_id)
+            except BaseException:
+                if spent is not None:
+                    spent.refund()  # never queued: it used nothing of the fleet
+                raise
+            if spent is not None:
+                session.on_close.append(spent.settle)  # its output tokens, when it ends
             assembler = OutputAssembler(request_id, prompt.get("prompt"), ids, sampling_params.n,
                                         sampling_params.output_kind, sampling_params.logprobs is not None)
             while not assembler.finished:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from skyline.core.config import SkylineConfig
 from skyline.core.messages import GenerateRequest, SamplingSpec
 from skyline.scheduler.disagg import DisaggPolicy, route
-from skyline.scheduler.tiers import Slo, SloError, resolve_slo
+from skyline.scheduler.tiers import Slo, SloError, TierNotAllowed, resolve_slo
 
 from skyline.gateway.errors import ApiError, from_validation
 
@@ -168,9 +168,10 @@ def sampling_spec(params: Any) -> SamplingSpec:
 
 def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None, request_id: str,
             prompt_ids: list[int], params: Any, stream: bool, include_usage: bool, arrival_ms: int,
-            t_arrival: float, cache_salt: str | None = None) -> Prepared:
-    """The message to enqueue for one prompt of a request vLLM's serving layer has validated."""
-    slo = _slo(serving.cfg, spec, request, arrival_ms)
+            t_arrival: float, cache_salt: str | None = None, strictest_tier: str = "") -> Prepared:
+    """The message to enqueue for one prompt of a request vLLM's serving layer has validated;
+    `strictest_tier`: the strictest tier its tenant may use ("" = any)."""
+    slo = _slo(serving.cfg, spec, request, arrival_ms, strictest_tier)
     path = _route(serving, request, len(prompt_ids))
     gen = GenerateRequest(
         request_id=request_id,
@@ -193,8 +194,9 @@ def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None,
                     t_prepared=time.perf_counter())
 
 
-def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms: int) -> Slo:
-    """Tier and targets: headers win over the body's `slo` extension, both over tier defaults."""
+def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms: int, strictest_tier: str = "") -> Slo:
+    """Tier and targets: headers win over the body's `slo` extension, both over tier defaults;
+    a tier stricter than the tenant may use is a 403 naming the tiers it may."""
     h = request.headers
     tier = h.get("x-slo-tier") or (spec.tier if spec else None)
     ttft = _int_header(h.get("x-slo-ttft-ms"), "x-slo-ttft-ms")
@@ -204,7 +206,12 @@ def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms:
     if tpot is None and spec:
         tpot = spec.tpot_ms
     try:
-        return resolve_slo(cfg.tiers, cfg.default_tier, arrival_ms, tier=tier, ttft_ms=ttft, tpot_ms=tpot)
+        return resolve_slo(cfg.tiers, cfg.default_tier, arrival_ms, tier=tier, ttft_ms=ttft, tpot_ms=tpot,
+                           strictest=strictest_tier)
+    except TierNotAllowed as exc:
+        header = "x-slo-ttft-ms" if exc.by_target else "x-slo-tier"
+        param = header if h.get(header) else "slo.ttft_ms" if exc.by_target else "slo.tier"
+        raise ApiError(403, str(exc), param=param, code="tier_not_allowed") from None
     except SloError as exc:
         raise ApiError(400, str(exc), param="slo", code="invalid_slo") from None
 

@@ -13,6 +13,14 @@ one. Without keys, everyone is one anonymous tenant that sees everything.
 Batch lines run as their batch's owner: the line route runs each through the
 gateway's own endpoint in process (`on_behalf_of`), so the request's timeline
 belongs to the tenant whose batch it is, not to the runner's operator key.
+
+A tenant key has limits (docs/operations.md "Tenants"): a token budget (prompt
++ output tokens per minute, gateway/ratelimit.py) and the strictest SLO tier it
+may use (scheduler/tiers.py), the [gateway] defaults unless its line of the key
+file says otherwise. Operator keys have neither: they are the fleet's own tools
+(batch runners, the dashboard). A batch line keeps its owner's tier limit but
+not the budget: the batch runner paces the lines by the fleet's load, in the
+batch tier, and would turn a budget's 429s into failed lines after a few tries.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ log = logging.getLogger("skyline.gateway")
 class Tenant:
     owner: str  # recorded on what it creates: its key's digest; "" on a gateway without keys
     sees_all: bool = False  # an operator key, or anyone on a gateway without keys
+    tokens_per_minute: int = 0  # its token budget (prompt + output); 0 = none
+    strictest_tier: str = ""  # the strictest SLO tier it may use; "" = any
 
     def owns(self, owner: str | None) -> bool:
         """May this tenant see an object recorded with `owner` (None: recorded without one)?"""
@@ -89,6 +99,13 @@ class Tenants:
         self.keys = g.api_keys + g.operator_api_keys  # either kind may call every route
         self.operator_keys = g.operator_api_keys
         self.secret = owner_secret(g)
+        self.default_limits = (g.tenant_tokens_per_minute, g.tenant_strictest_tier)
+        # By owner digest, the one thing known of a batch line's tenant (see the module docstring).
+        self.limits: dict[str, tuple[int, str]] = {key_digest(k, self.secret): (0, "") for k in self.operator_keys}
+        for k in g.key_options:
+            tpm, tier = k.limits
+            self.limits[key_digest(k.key, self.secret)] = (self.default_limits[0] if tpm is None else tpm,
+                                                           self.default_limits[1] if tier is None else tier)
 
     @property
     def on(self) -> bool:
@@ -100,13 +117,18 @@ class Tenants:
         check_auth(request, self.keys)
         if not self.keys:
             tenant = ANONYMOUS
-        elif acting := _ACTING_FOR.get():
-            tenant = Tenant(acting)
+        elif acting := _ACTING_FOR.get():  # a batch line: its owner's tier limit, no budget (module docstring)
+            tenant = Tenant(acting, strictest_tier=self.limits.get(acting, self.default_limits)[1])
         else:
             key = api_key_of(request) or ""
             # Constant-time, like check_auth: which keys are operators' must not show in timing either.
             operator = any(hmac.compare_digest(key.encode(), k.encode()) for k in self.operator_keys)
-            tenant = Tenant(key_digest(key, self.secret), sees_all=operator)
+            owner = key_digest(key, self.secret)
+            if operator:
+                tenant = Tenant(owner, sees_all=True)
+            else:
+                tokens_per_minute, strictest_tier = self.limits.get(owner, self.default_limits)
+                tenant = Tenant(owner, tokens_per_minute=tokens_per_minute, strictest_tier=strictest_tier)
         request.state.tenant = tenant
         return tenant
 

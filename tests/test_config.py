@@ -33,13 +33,15 @@ def test_sample_config_in_deploy_documents_every_option():
     import tomllib
     from pathlib import Path
 
+    from skyline.core.config import is_option
+
     path = Path(__file__).parents[1] / "deploy" / "skyline.toml"
     cfg = load_config(path)
     assert cfg == load_config()  # the sample spells out the defaults
     data = tomllib.loads(path.read_text())
     for section in ("redis", "engine", "worker", "gateway", "observability", "batch"):
         documented = set(data[section])
-        expected = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        expected = {f.name for f in dataclasses.fields(getattr(cfg, section)) if is_option(f)}
         # Optional (None-default) fields cannot be written in TOML; they are documented as comments.
         text = path.read_text()
         missing = {n for n in expected - documented if f"# {n} =" not in text}
@@ -165,3 +167,46 @@ def test_the_kubernetes_config_is_the_gpu_preset():
     assert gpu.engine.dtype != "float32" and gpu.engine.kv_cache_gib == 0  # not the CPU defaults
     assert dataclasses.replace(gpu.engine, **{f.name: getattr(cpu.engine, f.name) for f in dataclasses.fields(cpu.engine)
                                                if f.name not in preset["engine"]}) == gpu.engine
+
+
+def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_path):
+    (tmp_path / "keys.txt").write_text("key-a tokens_per_minute=6000 strictest_tier=standard  # capped\n"
+                                       "key-b\nkey-c strictest_tier=\nkey-a tokens_per_minute=6000 strictest_tier=standard\n")
+    cfg = load_config(_write(tmp_path, f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n'
+                                       'tenant_tokens_per_minute = 100\ntenant_strictest_tier = "batch"\n'))
+    g = cfg.gateway
+    assert g.api_keys == ("key-a", "key-b", "key-c", "key-a")
+    assert [(k.where.rsplit(" ", 1)[-1], k.limits) for k in g.key_options] == [
+        ("1", (6000, "standard")), ("3", (None, "")), ("4", (6000, "standard"))]
+    assert "key-a" not in repr(g.key_options)  # a secret: never in a repr
+
+    from skyline.gateway.tenants import Tenants, key_digest
+    tenants = Tenants(g)
+    assert tenants.limits[key_digest("key-a", tenants.secret)] == (6000, "standard")
+    assert tenants.limits[key_digest("key-c", tenants.secret)] == (100, "")  # "" = any tier, over the default
+    assert tenants.default_limits == (100, "batch")  # key-b: the [gateway] defaults
+
+
+@pytest.mark.parametrize("lines, says", [
+    ("key-a tokens_per_minute=lots\n", "line 1: tokens_per_minute='lots' must be a whole number"),
+    ("key-a tokens_per_minute=-5\n", "tokens_per_minute='-5' must be a whole number of tokens, at least 0"),
+    ("key-a tokens_per_mniute=5\n", "did you mean tokens_per_minute?"),
+    ("\nkey-a key-b\n", "line 2: after the key, expected tokens_per_minute=N"),
+    ("key-a strictest_tier=gold\n", "line 1: strictest_tier='gold' is not one of the tiers"),
+    ("key-a\nkey-a tokens_per_minute=5\n", "line 2: the same key as"),
+])
+def test_a_bad_key_file_line_is_named_by_file_and_line_never_by_its_words(tmp_path, lines, says):
+    (tmp_path / "keys.txt").write_text(lines)
+    with pytest.raises(ValueError) as caught:
+        load_config(_write(tmp_path, f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n'))
+    assert says in str(caught.value) and "key-a" not in str(caught.value) and "key-b" not in str(caught.value)
+
+
+def test_operator_keys_take_no_limits_and_key_options_is_not_an_option(tmp_path):
+    (tmp_path / "ops.txt").write_text("op-1 tokens_per_minute=5\n")
+    with pytest.raises(ValueError, match="operator keys have none"):
+        load_config(_write(tmp_path, f'[gateway]\noperator_api_key_file = "{tmp_path / "ops.txt"}"\n'))
+    with pytest.raises(ValueError, match="key_options is not an option"):
+        _load(tmp_path, "[gateway]\nkey_options = []\n")
+    with pytest.raises(ValueError, match="tenant_strictest_tier = 'gold' is not one of the tiers"):
+        _load(tmp_path, '[gateway]\ntenant_strictest_tier = "gold"\n')

@@ -2,7 +2,7 @@ import pytest
 
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.edf import pick_tier
-from skyline.scheduler.tiers import DEFAULT_TIERS, SloError, resolve_slo, tier_for_ttft
+from skyline.scheduler.tiers import DEFAULT_TIERS, SloError, TierNotAllowed, allowed_tiers, resolve_slo, tier_for_ttft
 
 ORDER = ("interactive", "standard", "batch")
 
@@ -55,3 +55,24 @@ def test_a_deep_prefill_backlog_sends_prompts_to_the_decode_pool():
     assert route(policy, 500, prefill_backlog_tokens=10_000) == "disagg"
     assert route(policy, 500, prefill_backlog_tokens=10_001) == "colocated"
     assert route(DisaggPolicy("disagg"), 500, prefill_backlog_tokens=10**9) == "disagg"  # 0 = no limit
+
+
+def test_a_tenant_capped_at_a_tier_gets_it_by_default_and_every_looser_one_on_request():
+    capped = resolve_slo(DEFAULT_TIERS, "interactive", 0, strictest="standard")  # default stricter than allowed
+    assert (capped.tier, capped.ttft_ms) == ("standard", 5_000)
+    assert resolve_slo(DEFAULT_TIERS, "interactive", 0, tier="batch", strictest="standard").tier == "batch"
+    assert resolve_slo(DEFAULT_TIERS, "standard", 0, ttft_ms=5_000, strictest="standard").tier == "standard"
+    assert [t.name for t in allowed_tiers(DEFAULT_TIERS, "standard")] == ["standard", "batch"]
+    assert allowed_tiers(DEFAULT_TIERS, "") == DEFAULT_TIERS
+
+
+@pytest.mark.parametrize("kw, by_target, says", [
+    ({"tier": "interactive"}, False, "SLO tier 'interactive' is stricter"),
+    ({"ttft_ms": 4_999}, True, "a TTFT target of 4999 ms needs SLO tier 'interactive'"),
+    ({"tier": "batch", "ttft_ms": 800}, True, "needs SLO tier 'interactive'"),
+])
+def test_a_stricter_tier_than_the_tenant_may_use_is_refused_not_quietly_loosened(kw, by_target, says):
+    with pytest.raises(TierNotAllowed) as exc:
+        resolve_slo(DEFAULT_TIERS, "standard", 0, strictest="standard", **kw)
+    assert exc.value.by_target is by_target
+    assert says in str(exc.value) and "it may use: standard, batch" in str(exc.value)

@@ -8,6 +8,7 @@ hands the resulting objects down; nothing else reads the environment.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -147,6 +148,25 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class KeyOptions:
+    """A tenant key's own limits, from its line of api_key_file (`KEY tokens_per_minute=N
+    strictest_tier=TIER`); None = the [gateway] default (`tenant_tokens_per_minute`, ...)."""
+
+    key: str = field(repr=False)  # a secret: never in a repr or a message (`where` names the line instead)
+    where: str = ""  # "FILE line N"
+    tokens_per_minute: int | None = None  # 0 = no budget, whatever the default
+    strictest_tier: str | None = None  # "" = any tier, whatever the default
+
+    @property
+    def limits(self) -> tuple[int | None, str | None]:
+        return self.tokens_per_minute, self.strictest_tier
+
+    @property
+    def has_options(self) -> bool:
+        return self.limits != (None, None)
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -167,6 +187,14 @@ class GatewayConfig:
     # `rate_limit_burst`); over it: 429 + Retry-After. 0 = no limit. Per gateway process.
     rate_limit_rps: float = 0.0
     rate_limit_burst: int = 10
+    # Per-tenant limits of tenant keys (operator keys have none; docs/operations.md "Tenants"), the
+    # fleet's defaults: a line of api_key_file overrides either for its key (`read_key_lines`).
+    # Token budget: prompt + output tokens per minute per key; over it 429 + Retry-After; 0 = none.
+    # Per gateway process, like the rate limit (gateway/ratelimit.py).
+    tenant_tokens_per_minute: int = 0
+    tenant_strictest_tier: str = ""  # the strictest SLO tier a key may use (and looser ones); "" = any
+    # Not an option: what the lines of api_key_file say beyond their keys, filled in at load.
+    key_options: tuple[KeyOptions, ...] = field(default=(), metadata={"option": False})
     max_body_bytes: int = 1_000_000
     max_header_bytes: int = 32_768  # all request headers together; larger -> 431
     # The OpenAI surface, as `vllm serve` takes it (gateway/openai_api.py runs vLLM's serving code):
@@ -291,9 +319,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     cfg = replace(cfg, **changes)
     g = cfg.gateway
     if g.api_key_file:
-        g = replace(g, api_keys=g.api_keys + read_key_file(g.api_key_file))
+        lines = read_key_lines(g.api_key_file)
+        g = replace(g, api_keys=g.api_keys + tuple(k.key for k in lines),
+                    key_options=tuple(k for k in lines if k.has_options))
     if g.operator_api_key_file:
-        g = replace(g, operator_api_keys=g.operator_api_keys + read_key_file(g.operator_api_key_file))
+        lines = read_key_lines(g.operator_api_key_file)
+        if with_options := next((k for k in lines if k.has_options), None):
+            raise ConfigError(f"{with_options.where}: options after a key are limits of tenant keys; "
+                              "operator keys have none")
+        g = replace(g, operator_api_keys=g.operator_api_keys + tuple(k.key for k in lines))
     cfg = replace(cfg, gateway=g)
     check(cfg)  # types, ranges and the rules between values, each problem named by its key
     return cfg
@@ -309,14 +343,70 @@ def _tier(name: str, values: dict[str, Any]) -> Tier:
     return Tier(name=name, **values)
 
 
+KEY_OPTIONS = ("tokens_per_minute", "strictest_tier")
+
+
 def read_key_file(path: str) -> tuple[str, ...]:
-    """API keys from a file: one per line; blank lines and `#` comments ignored."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return tuple(k for k in (line.split("#", 1)[0].strip() for line in lines) if k)
+    """API keys from a file: one per line; blank lines and `#` comments ignored (and each key's
+    options: `read_key_lines`)."""
+    return tuple(k.key for k in read_key_lines(path))
+
+
+def read_key_lines(path: str) -> tuple[KeyOptions, ...]:
+    """Each line of an API key file: `KEY [tokens_per_minute=N] [strictest_tier=TIER]  # comment`.
+
+    A bad line is a ConfigError naming the file and the line, never the key, nor a word that might
+    be one (two keys on a line, a key with `=` in it): only option values are quoted. Tier names
+    are checked against the tiers with the rest of the config (config_rules.py).
+    """
+    out: list[KeyOptions] = []
+    first: dict[str, KeyOptions] = {}
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"{path} line {n}"
+        options: dict[str, Any] = {}
+        for word in words[1:]:
+            name, eq, value = word.partition("=")
+            if not eq or name not in KEY_OPTIONS:
+                guess = difflib.get_close_matches(name, KEY_OPTIONS, n=1)
+                hint = f" (did you mean {guess[0]}?)" if guess and eq else ""
+                raise ConfigError(f"{where}: after the key, expected tokens_per_minute=N or strictest_tier=TIER{hint}; "
+                                  "the word is not shown, it may be a key (one key per line)")
+            options[name] = _key_option(where, name, value)
+        entry = KeyOptions(words[0], where, **options)
+        seen = first.setdefault(entry.key, entry)
+        if seen.limits != entry.limits:  # which line would hold? Neither: say so
+            raise ConfigError(f"{where}: the same key as {seen.where}, with other options")
+        out.append(entry)
+    return tuple(out)
+
+
+def _key_option(where: str, name: str, value: str) -> int | str:
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    if name == "strictest_tier":
+        return value  # "" = any tier; the name is checked against the tiers in config_rules.py
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ConfigError(f"{where}: tokens_per_minute={shown!r} must be a whole number of tokens, "
+                          "at least 0 (0 = no budget)")
+    return number
+
+
+def is_option(f: Any) -> bool:
+    """A dataclass field a config file may set (not one filled in at load, like key_options)."""
+    return f.metadata.get("option", True)
 
 
 def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
-    known = {f.name for f in fields(cls)}
+    known = {f.name for f in fields(cls) if is_option(f)}
+    if "key_options" in values and cls is GatewayConfig:
+        raise ConfigError("[gateway] key_options is not an option: write a key's limits after it on its line of "
+                          "api_key_file (`KEY tokens_per_minute=N strictest_tier=TIER`)")
     unknown = set(values) - known
     if unknown:
         raise ConfigError(f"unknown option(s) in [{section}]: {', '.join(sorted(unknown))}")

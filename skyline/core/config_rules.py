@@ -116,6 +116,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("gateway", "max_prefill_backlog_tokens"): _AT_LEAST_0,
     ("gateway", "rate_limit_rps"): _AT_LEAST_0,
     ("gateway", "rate_limit_burst"): _AT_LEAST_1,
+    ("gateway", "tenant_tokens_per_minute"): _AT_LEAST_0,
     ("gateway", "max_body_bytes"): _AT_LEAST_1,
     ("gateway", "max_header_bytes"): _AT_LEAST_1,
     ("gateway", "request_timeout_s"): _POSITIVE,
@@ -224,6 +225,12 @@ def _cross(cfg: Any) -> list[str]:
     if g.sheddable_tiers != type(g)().sheddable_tiers:
         for tier in g.sheddable_tiers:
             rule(tier in tiers, f"[gateway] sheddable_tiers names {tier!r}, which is not one of the tiers {tiers}")
+    if g.tenant_strictest_tier:
+        rule(g.tenant_strictest_tier in tiers,
+             f"[gateway] tenant_strictest_tier = {g.tenant_strictest_tier!r} is not one of the tiers {tiers}")
+    for k in g.key_options:  # named by file and line: the key is a secret
+        rule(not k.strictest_tier or k.strictest_tier in tiers,
+             f"{k.where}: strictest_tier={k.strictest_tier!r} is not one of the tiers {tiers}")
     if b.tier != type(b)().tier:
         rule(b.tier in tiers, f"[batch] tier = {b.tier!r} is not one of the tiers {tiers}")
     rule(b.min_concurrency <= b.start_concurrency <= b.max_concurrency,
