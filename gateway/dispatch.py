@@ -21,9 +21,10 @@ from redis.exceptions import RedisError
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
-from skyline.core.streams import enqueue, now_ms, release_backlog
+from skyline.core.streams import Placement, enqueue, now_ms, release_backlog
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
+from skyline.gateway.affinity import place_request
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
@@ -51,6 +52,7 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.admission_policy = self.cfg.admission_policy()
+        self.affinity_policy = self.cfg.affinity_policy()
 
     async def submit(self, prep: Prepared) -> Session:
         """Check the fleet can serve the request, subscribe to its output, enqueue it."""
@@ -107,6 +109,12 @@ class Dispatcher:
             assert self.relay is not None
             self.relay.unsubscribe(subscribing.result())
 
+    async def _place(self, stage: str, prep: Prepared) -> Placement | None:
+        """Where the prompt's prefix is cached (gateway/affinity.py); None: the shared queue."""
+        assert self.redis is not None and self.fleet is not None
+        return await place_request(self.affinity_policy, self.cfg.gateway.affinity_max_blocks, self.redis, self.keys,
+                                   self.fleet.workers, stage, prep.request)
+
     async def _enqueue(self, prep: Prepared, sub: Subscription) -> Session:
         relay, r = self.relay, self.redis
         assert relay is not None and r is not None
@@ -119,9 +127,10 @@ class Dispatcher:
         else:
             stage, msg = "decode", messages.DecodeWork(request=prep.request, kv_handle=None)
         try:
+            session.placement = await self._place(stage, prep)
             session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
             await enqueue(r, self.keys, stage, msg, self.cfg.redis.stream_maxlen,
-                          backlog_reserved=self.cfg.gateway.admission)
+                          backlog_reserved=self.cfg.gateway.admission, placement=session.placement)
             session.t_enqueued = time.perf_counter()
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel

@@ -208,7 +208,7 @@ class FleetClient:
             observer.refused(prep, scope.raw, exc)
             raise
         prep = session.prep  # admission control may have demoted it
-        observer.enqueued(prep, scope.raw, session.t_enqueue_ms)
+        observer.enqueued(prep, scope.raw, session.t_enqueue_ms, session.placement)
         scope.sessions.append(session)  # its close() counts its status
         scope.counted = True
         scope.preps.append(prep)

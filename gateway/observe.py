@@ -25,6 +25,7 @@ from starlette.requests import Request
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
+from skyline.core.streams import Placement
 from skyline.core.slo_record import Outcome, SloRecorder
 from skyline.core.timeline import Timeline, now_ms, phase_durations, read_timeline, requester_of
 from skyline.gateway.errors import ApiError
@@ -75,9 +76,9 @@ class GatewayObserver:
         if tenant is not None and tenant.owner:  # keys on: the timeline is its sender's (gateway/tenants.py)
             tl.set_requester(req.request_id, tenant.owner)
 
-    def enqueued(self, prep: Prepared, request: Request, t_enqueue_ms: int) -> None:
+    def enqueued(self, prep: Prepared, request: Request, t_enqueue_ms: int, placement: Placement | None = None) -> None:
         """The request is in its first stream (`t_enqueue_ms`: taken just before the XADD,
-        so no worker's claim can look earlier than it)."""
+        so no worker's claim can look earlier than it), placed for a worker's prefix cache or not."""
         if self.timeline is None:
             return
         req = prep.request
@@ -88,6 +89,9 @@ class GatewayObserver:
         self.timeline.emit(req.request_id, "enqueued", t_ms=t_enqueue_ms,
                            stage="prefill" if prep.route == "disagg" else "decode", tier=req.tier,
                            deadline_ms=req.deadline_ms)
+        if placement is not None:
+            self.timeline.emit(req.request_id, "placed", t_ms=t_enqueue_ms, worker=placement.worker,
+                               matched_blocks=placement.matched_blocks, wait_ms=placement.until_ms - t_enqueue_ms)
 
     def refused(self, prep: Prepared | None, request: Request, exc: ApiError) -> None:
         """A request refused after it was parsed (429, 503, ...): it missed its SLO."""

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from skyline.core import messages
 from skyline.core.config import GatewayConfig
 from skyline.core.keys import Keys
+from skyline.core.streams import Placement
 from skyline.gateway.errors import ApiError
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
@@ -58,6 +59,7 @@ class Session:
         self.closed = False
         self.cancel_reason: str | None = None
         self.t_enqueue_ms = 0  # wall clock just before the XADD (the timeline's `enqueued`)
+        self.placement: Placement | None = None  # placed for a worker's prefix cache (gateway/affinity.py)
         self.t_enqueued: float | None = None  # perf_counter() once the XADD returned
         self.failure: messages.Failed | None = None  # the error frame, when the request failed
         self.t_last_token: float | None = None
@@ -160,6 +162,9 @@ class Session:
             "decode_attempts": fin.attempts,  # > 1: the stream migrated to another decode worker
             "resumed_at_token": fin.resumed_at_token,
             "kv_transfer": fin.kv_transfer,
+            "placement": None if self.placement is None else {
+                "worker": self.placement.worker, "matched_blocks": self.placement.matched_blocks,
+                "until_ms": self.placement.until_ms},
             "timings": fin.timings,
             "gateway_timings": self.gateway_timings(),
         }

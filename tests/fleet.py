@@ -85,6 +85,14 @@ class Fleet:
         with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
             return json.loads(resp.read())
 
+    def worker_metrics(self, worker_id: str) -> str:
+        """A worker's /metrics text (its port, from its heartbeat)."""
+        import redis
+
+        port = redis.Redis.from_url(self.redis_url).hget(f"{self.key_prefix}:worker:{worker_id}", "metrics_port")
+        with urllib.request.urlopen(f"http://127.0.0.1:{int(port)}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
     def wait_ready(self, want: dict[str, int], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

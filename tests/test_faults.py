@@ -69,8 +69,11 @@ def r(redis_url):
 def holder(r: redis.Redis, keys: Keys, stage: str, timeout_s: float = 10.0) -> str:
     """The consumer (worker id) holding the only pending entry of a stage."""
     deadline = time.monotonic() + timeout_s
+    tiers = ("interactive", "standard", "batch")
     while time.monotonic() < deadline:
-        for _tier, key in keys.lanes(stage, ("interactive", "standard", "batch")):
+        placed = [keys.affinity_lane(stage, t, w.decode()) for w in r.smembers(keys.affinity_lanes(stage)) for t in tiers
+                  if r.exists(keys.affinity_lane(stage, t, w.decode()))]
+        for key in [key for _tier, key in keys.lanes(stage, tiers)] + placed:
             for p in r.xpending_range(key, Keys.group(stage), "-", "+", 10):
                 return p["consumer"].decode()
         time.sleep(0.02)

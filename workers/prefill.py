@@ -44,7 +44,7 @@ class PrefillHandler:
             prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,
         )
         stream = self.rt.keys.stream("decode", req.tier)
-        t_handoff = observe.prefill_finished(self.rt, req, work)
+        t_handoff = observe.prefill_finished(self.rt, req, work, result.cached_tokens)
         entry = await self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
                                             self.rt.cfg.redis.stream_maxlen)
         if entry is None:

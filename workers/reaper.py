@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from skyline.core import messages
 from skyline.core.keys import Keys
@@ -55,7 +56,12 @@ async def reclaim(queues: TierQueues, after_s: float, limit: int) -> list[Reclai
     idle_ms = int(after_s * 1000)
     out: list[Reclaimed] = []
     for tier, key in queues.lanes:
-        pending = await r.xpending_range(key, group, min="-", max="+", count=max(limit * 4, 16), idle=idle_ms)
+        try:
+            pending = await r.xpending_range(key, group, min="-", max="+", count=max(limit * 4, 16), idle=idle_ms)
+        except ResponseError:
+            if key in queues.holder_of:  # an affinity lane deleted after its worker left
+                continue
+            raise
         stale = [p for p in pending if _s(p["consumer"]) not in live]
         if not stale:
             continue
@@ -82,12 +88,49 @@ async def forget_departed(queues: TierQueues, after_s: float) -> list[str]:
     live = await live_workers(r, queues.keys, after_s) | {queues.consumer}
     removed = []
     for _tier, key in queues.lanes:
-        for c in await r.xinfo_consumers(key, group):
+        try:
+            consumers = await r.xinfo_consumers(key, group)
+        except ResponseError:
+            if key in queues.holder_of:  # an affinity lane deleted after its worker left
+                continue
+            raise
+        for c in consumers:
             name = _s(c["name"])
             if name not in live and int(c["pending"]) == 0 and int(c["idle"]) >= after_s * 1000:
                 await r.xgroup_delconsumer(key, group, name)
                 removed.append(name)
+    await _drop_empty_lanes(queues, live)
     return removed
+
+
+async def _drop_empty_lanes(queues: TierQueues, live: set[str]) -> None:
+    """Delete the affinity lanes of departed workers once nothing in them waits or is held: the
+    gateway places work only for live workers, so such a lane gets nothing new."""
+    r, group = queues.r, queues.group
+    by_holder: dict[str, list[str]] = {}
+    for key, holder in queues.holder_of.items():
+        by_holder.setdefault(holder, []).append(key)
+    for holder, lanes in by_holder.items():
+        if holder in live:
+            continue
+        busy = False
+        for key in lanes:
+            try:
+                groups = await r.xinfo_groups(key)
+            except ResponseError:
+                continue  # gone already
+            g = next((g for g in groups if _s(g["name"]) == group), None)
+            if g is not None and int(g["pending"]) == 0:
+                lag = g.get("lag")
+                if lag is None:  # Redis < 7 does not count it: anything after the last delivered entry?
+                    lag = len(await r.xrange(key, min=f"({_s(g['last-delivered-id'])}", max="+", count=1))
+                busy = busy or int(lag) > 0
+            else:
+                busy = busy or g is not None
+        if not busy:
+            await r.delete(*lanes)
+            await r.srem(queues.keys.affinity_lanes(queues.stage), holder)
+            log.info("removed the affinity lanes of departed worker %s", holder)
 
 
 def _s(value: bytes | str) -> str:

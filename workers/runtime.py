@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
-from skyline.core import messages, redisconn
+from skyline.core import cache_view, messages, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo, deregister, heartbeat
 from skyline.core.keys import Keys
@@ -69,7 +69,8 @@ class WorkerRuntime:
         self.keys = Keys(cfg.key_prefix)
         self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
-        self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id)
+        self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id,
+                                 liveness_s=cfg.worker.reclaim_after_s)
         self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s)
         self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
         self.prompt_tokens_in_flight = 0
@@ -103,6 +104,7 @@ class WorkerRuntime:
         self.info = WorkerInfo(
             worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
             pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
+            max_running=cfg.worker.max_running,
         )
         self.handle: Callable[[Claimed], Awaitable[None]] | None = None
         self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts
@@ -113,6 +115,8 @@ class WorkerRuntime:
         self.handle = handle
         await self.engine.start()
         await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
+        if self.cfg.worker.cache_view_max_blocks > 0:  # the gateway places by prefix only where a view is kept
+            self.info.cache_block_size = self.engine.cache_block_size
         if install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,6 +126,8 @@ class WorkerRuntime:
         await self._beat()
         log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
         side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]
+        if self.info.cache_block_size:
+            side.append(asyncio.create_task(self._cache_view_loop()))
         try:
             await self._claim_loop()
             await self._drain()
@@ -500,6 +506,28 @@ class WorkerRuntime:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
+    async def _cache_view_loop(self) -> None:
+        """Mirror the engine's prefix-cache events into the fleet's cache view (skyline/core/cache_view.py).
+        A batch that cannot be written is not retried: the view is cleared at the next write and
+        rebuilt from what is stored after it. It then lacks blocks the engine holds (a missed
+        placement), but never lists a block the engine evicted while Redis was away."""
+        wc = self.cfg.worker
+        lost = False
+        while True:
+            await asyncio.sleep(CACHE_VIEW_PERIOD_S)
+            delta = self.engine.cache_delta()
+            if delta is None and not lost:
+                continue
+            stored, removed, cleared = (delta.stored, delta.removed, delta.cleared) if delta else ([], [], False)
+            try:
+                await cache_view.apply(self.redis, self.keys, self.worker_id, stored, removed, cleared or lost,
+                                       wc.cache_view_max_blocks, wc.heartbeat_ttl_s)
+                lost = False
+            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                if not lost:
+                    log.warning("cache view not updated (%s); it is rebuilt once Redis answers", exc)
+                lost = True
+
     async def _cancel_loop(self) -> None:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -522,6 +550,7 @@ def _request_of(msg: messages.Message) -> messages.GenerateRequest:
     return msg.request if isinstance(msg, messages.DecodeWork) else msg  # type: ignore[return-value]
 
 
+CACHE_VIEW_PERIOD_S = 0.05  # how often the engine's cache events are mirrored into Redis (one pipeline)
 EXIT_STEPS = 5  # the awaited steps after the drain, each bounded by EXIT_STEP_S
 EXIT_STEP_S = 5.0
 

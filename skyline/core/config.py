@@ -16,6 +16,7 @@ from typing import Any
 
 from skyline.core.config_rules import ConfigError, check
 from skyline.scheduler.admission import AdmissionPolicy
+from skyline.scheduler.prefix import AffinityPolicy
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
 
@@ -90,12 +91,20 @@ class EngineConfig:
     # starved, and a niced multi-core engine loses its OpenMP threads to any other
     # process mid-step (measured: TPOT 50 ms -> seconds on a busy 2-core host).
     engine_nice: int = 0
+    # vLLM engine: publish the prefix cache's KV events (blocks stored, evicted) over a local ZMQ
+    # socket, which the worker mirrors into the fleet's cache view for placement by prefix
+    # (workers/engines/vllm_kv_events.py). Off = this worker's engine reports no cache; the gateway
+    # then places none of its requests by prefix. One message per engine step that changed the cache.
+    prefix_cache_events: bool = True
     # sim engine timing model (seconds): prefill = base + per_token * prompt tokens,
     # decode step = base + per_seq * running sequences.
     sim_prefill_base_s: float = 0.005
     sim_prefill_per_token_s: float = 0.0001
     sim_decode_base_s: float = 0.01
     sim_decode_per_seq_s: float = 0.001
+    # The sim engine's prefix cache: blocks of 16 tokens it keeps (least recently used evicted first),
+    # reported as cache events like vLLM's; 0 = no prefix cache.
+    sim_prefix_cache_blocks: int = 4096
 
     def prefill_cap(self) -> int:
         """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
@@ -145,6 +154,9 @@ class WorkerConfig:
     reclaim_interval_s: float = 1.0  # how often each worker looks for abandoned entries
     max_deliveries: int = 3  # a request delivered this often without finishing is dead-lettered (poison)
     drain_timeout_s: float = 60.0  # SIGTERM: finish held requests for this long, then hand them back
+    # The fleet's prefix-cache view (skyline/core/cache_view.py): the blocks this worker's engine holds,
+    # kept in Redis for the gateway's placement; at most this many (the oldest go first; 0 = no view).
+    cache_view_max_blocks: int = 65_536
 
 
 @dataclass(frozen=True)
@@ -213,6 +225,16 @@ class GatewayConfig:
     ttft_calibration: bool = True  # scale predictions by their own measured error (scheduler/admission.py)
     sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; other tiers always queue
     max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
+    # Prefix affinity (scheduler/prefix.py, docs/scheduling.md): a request goes to the worker whose
+    # engine holds the longest leading run of its prompt's blocks, which alone may claim it for
+    # `affinity_slack_share` of its slack to the TTFT deadline (at most `affinity_max_wait_ms`);
+    # after that, or once that worker is gone, any worker may. Only with two or more live workers
+    # of the stage reporting cache events.
+    prefix_affinity: bool = True
+    affinity_min_blocks: int = 1  # a holder must hold at least this many leading blocks
+    affinity_slack_share: float = 0.5
+    affinity_max_wait_ms: int = 2_000
+    affinity_max_blocks: int = 512  # blocks of a prompt hashed and looked up (bounds a long prompt's cost)
 
 
 @dataclass(frozen=True)
@@ -283,6 +305,11 @@ class SkylineConfig:
     @property
     def tier_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tiers)
+
+    def affinity_policy(self) -> AffinityPolicy:
+        """The prefix-affinity policy this config describes (the gateway's and the simulator's)."""
+        g = self.gateway
+        return AffinityPolicy(g.prefix_affinity, g.affinity_min_blocks, g.affinity_slack_share, g.affinity_max_wait_ms)
 
     def admission_policy(self) -> AdmissionPolicy:
         """The admission policy this config describes (the gateway's and the simulator's)."""

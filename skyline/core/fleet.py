@@ -28,6 +28,8 @@ class WorkerInfo:
     address: str = ""  # where other hosts reach this worker (worker.advertise_host)
     metrics_port: int = 0  # its HTTP endpoint: /metrics, /ready, /health (0 = none)
     nixl_port: int = 0  # its engine's NIXL side channel (0 = no KV transfer)
+    max_running: int = 0  # the most requests it holds at once (its placement counts as overloaded there)
+    cache_block_size: int = 0  # its engine's prefix-cache block size; 0 = no cache view (placement skips it)
 
 
 async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: float) -> None:
@@ -40,12 +42,14 @@ async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: floa
     pipe.hset(keys.worker(info.worker_id), mapping={k: str(v) for k, v in info.__dict__.items()})
     pipe.expire(keys.worker(info.worker_id), max(1, int(ttl_s + 0.999)))
     pipe.zadd(keys.workers, {info.worker_id: now})
+    pipe.expire(keys.kv_cache(info.worker_id), max(1, int(ttl_s + 0.999)))  # its cache view lives as long
     await pipe.execute()
 
 
 async def deregister(r: aioredis.Redis, keys: Keys, worker_id: str) -> None:
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.worker(worker_id))
+    pipe.delete(keys.kv_cache(worker_id))  # its engine's cache goes with it
     pipe.zrem(keys.workers, worker_id)
     await pipe.execute()
 
@@ -73,7 +77,8 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
                 running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
                 address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
-                nixl_port=int(d.get("nixl_port", 0)),
+                nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
+                cache_block_size=int(d.get("cache_block_size", 0)),
             )
         )
     return out

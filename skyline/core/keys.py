@@ -46,6 +46,35 @@ class Keys:
         """
         return f"{self.stream(stage, tier)}:retry"
 
+    def affinity_lane(self, stage: str, tier: str, worker_id: str) -> str:
+        """STREAM `skyline:{decode}:interactive:@<worker>` — work placed for one worker's prefix cache.
+
+        Written by the gateway when the worker's engine holds the longest leading run of the
+        prompt's blocks (scheduler/prefix.py); read by every worker of the stage with the stage's
+        group: the worker it names claims it at once, any other once its entry's `until_ms` has
+        passed or the worker is gone. Same hash tag as the stage's tier streams. Listed in
+        `affinity_lanes`; deleted, once empty, after its worker departed.
+        """
+        return f"{self.stream(stage, tier)}:@{worker_id}"
+
+    def affinity_lanes(self, stage: str) -> str:
+        """SET `skyline:{decode}:lanes` — worker ids that have affinity lanes in this stage.
+
+        SADD'ed by the gateway with each placement; read by the stage's workers (which streams to
+        watch); SREM'ed by a worker's departed-consumer sweep once the lanes are empty."""
+        return f"{self.prefix}:{{{stage}}}:lanes"
+
+    def kv_cache(self, worker_id: str) -> str:
+        """ZSET `skyline:kvcache:<worker>` — the blocks its engine's prefix cache holds.
+
+        Member: a block's hash in Skyline's chain (16 hex digits, scheduler/prefix.py); score:
+        when it was stored (Unix ms). Written by the worker from its engine's KV cache events
+        (stored, evicted, cleared); read by the gateway to place requests. At most
+        `worker.cache_view_max_blocks` members (the oldest go first); expires with the worker's
+        heartbeat, so a dead worker's view is gone within its TTL.
+        """
+        return f"{self.prefix}:kvcache:{worker_id}"
+
     def tokens(self, request_id: str) -> str:
         """CHANNEL `skyline:tokens:<request id>` — output frames of one request.
 

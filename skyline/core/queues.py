@@ -32,9 +32,17 @@ WAITING_COUNT_CAP = 1000
 async def read_streams(r, keys: Keys, tiers: tuple[str, ...]) -> list[StreamStatus]:
     """Length, pending, lag and consumers of every work stream, and the prefill backlog
     in tokens: one pipelined round trip (the gateway's /metrics and /dashboard call it
-    on every scrape/poll). A tier's retry lane (work returned to the queue) is counted
-    with its stream: one row per stage and tier."""
+    on every scrape/poll, plus one for the list of affinity lanes). A tier's retry lane
+    (work returned to the queue) and its affinity lanes (work placed for one worker's
+    prefix cache) are counted with its stream: one row per stage and tier."""
+    pipe = r.pipeline(transaction=False)
+    for stage in STAGES:
+        pipe.smembers(keys.affinity_lanes(stage))
+    placed = await pipe.execute(raise_on_error=False)
     streams = [(stage, tier, key) for stage in STAGES for tier, key in keys.lanes(stage, tiers)]
+    for stage, holders in zip(STAGES, placed):
+        if isinstance(holders, (set, list)):
+            streams += [(stage, t, keys.affinity_lane(stage, t, _s(w))) for w in sorted(holders) for t in tiers]
     pipe = r.pipeline(transaction=False)
     for _stage, _tier, key in streams:
         pipe.xlen(key)
@@ -69,7 +77,7 @@ async def read_streams(r, keys: Keys, tiers: tuple[str, ...]) -> list[StreamStat
     rows = {(st.stage, st.tier): st for st in out if st.key == keys.stream(st.stage, st.tier)}
     for st in out:
         row = rows[(st.stage, st.tier)]
-        if st is not row:  # the tier's retry lane
+        if st is not row:  # the tier's retry lane, or an affinity lane
             row.length += st.length
             row.pending += st.pending
             row.waiting += st.waiting

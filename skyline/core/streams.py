@@ -6,6 +6,7 @@ module only observes the stream heads and moves entries.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from redis.exceptions import ResponseError
 from skyline.core import messages
 from skyline.core.keys import STAGES, Keys
 from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.scheduler.prefix import may_claim
 from skyline.scheduler.tiers import Tier
 
 
@@ -40,6 +42,9 @@ class Claimed:
     prefill_tokens: int = 0  # what this entry added to the backlog; removed again at ack
 
 
+LANES_REFRESH_S = 1.0  # how often a consumer re-reads the affinity lanes and the live workers
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -63,23 +68,45 @@ async def _create_group(r: aioredis.Redis, key: str, group: str) -> None:
             raise
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Work placed for one worker's prefix cache (scheduler/prefix.py): only `worker` may claim it
+    before `until_ms` (Unix ms), any worker after, or once `worker` is gone."""
+
+    worker: str
+    until_ms: int
+    matched_blocks: int = 0
+
+
 async def enqueue(
     r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
-    backlog_reserved: bool = False, retry: bool = False,
+    backlog_reserved: bool = False, retry: bool = False, placement: Placement | None = None,
 ) -> str:
     """XADD a request to its tier stream (`retry`: to the tier's retry lane, for work
-    returned to the queue). Besides the msgpack body, a few plain fields make
-    `XRANGE` readable for an operator. `backlog_reserved`: admission control
-    already added the prompt to the backlog (see `reserve_backlog`)."""
+    returned to the queue; `placement`: to the affinity lane of the worker it names).
+    Besides the msgpack body, a few plain fields make `XRANGE` readable for an
+    operator. `backlog_reserved`: admission control already added the prompt to the
+    backlog (see `reserve_backlog`)."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
     fields = entry_fields(msg)
     prefill_tokens = fields["prefill_tokens"]
-    key = keys.retry_stream(stage, req.tier) if retry else keys.stream(stage, req.tier)
     pipe = r.pipeline(transaction=False)
+    if placement is not None:
+        key = keys.affinity_lane(stage, req.tier, placement.worker)
+        fields["affinity"], fields["until_ms"] = placement.worker, placement.until_ms
+        # The lane's group first (a no-op answered BUSYGROUP once it exists), listed for the workers.
+        pipe.xgroup_create(key, Keys.group(stage), id="0", mkstream=True)
+        pipe.sadd(keys.affinity_lanes(stage), placement.worker)
+    else:
+        key = keys.retry_stream(stage, req.tier) if retry else keys.stream(stage, req.tier)
     pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
     if prefill_tokens and not backlog_reserved:
         pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
-    entry_id = (await pipe.execute())[0]
+    results = await pipe.execute(raise_on_error=False)
+    entry_id = results[2 if placement is not None else 0]
+    for result in results:
+        if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
+            raise result
     return _s(entry_id)
 
 
@@ -135,7 +162,7 @@ def _backlog_of(raw: dict, stage: str) -> dict[str, int]:
 
 
 class TierQueues:
-    """One stage's tier streams seen from one consumer.
+    """One stage's tier streams, and the workers' affinity lanes, seen from one consumer.
 
     `claim()` waits until some tier has an undelivered entry, picks the tier
     whose head has the earliest deadline (policy: `pick_tier`) and claims one
@@ -145,9 +172,16 @@ class TierQueues:
     Peeking uses plain XREAD from each group's last-delivered id, which neither
     claims nor changes anything, so idle workers can watch the queues without
     hoarding work another worker could start sooner.
+
+    Affinity lanes (`Keys.affinity_lane`) hold work the gateway placed for one
+    worker's prefix cache. Their head counts among a tier's heads for the
+    worker it names, and for any other worker once its `until_ms` has passed or
+    its worker is gone (scheduler/prefix.py `may_claim`); until then the others
+    wait on the lanes they may take from, no longer than that bound.
     """
 
-    def __init__(self, r: aioredis.Redis, keys: Keys, stage: str, tiers: tuple[Tier, ...], consumer: str):
+    def __init__(self, r: aioredis.Redis, keys: Keys, stage: str, tiers: tuple[Tier, ...], consumer: str,
+                 liveness_s: float = 5.0):
         self.r = r
         self.keys = keys
         self.stage = stage
@@ -155,9 +189,32 @@ class TierQueues:
         self.tiers = tiers
         self.tier_names = tuple(t.name for t in tiers)
         self.consumer = consumer
-        self.lanes = keys.lanes(stage, self.tier_names)  # (tier, key): every stream this stage reads
+        self.liveness_s = liveness_s  # a worker silent this long is gone: its placed work is anyone's
+        self.shared_lanes = keys.lanes(stage, self.tier_names)
+        self.lanes = list(self.shared_lanes)  # (tier, key): every stream this stage reads, affinity lanes last
         self.tier_of = {key: tier for tier, key in self.lanes}
+        self.holder_of: dict[str, str] = {}  # affinity lane -> the worker it is for
         self.retry_lanes = {keys.retry_stream(stage, t) for t in self.tier_names}
+        self.live: set[str] = set()
+        self.deferred_until_ms = 0  # the earliest bound of a head placed for another worker (0 = none)
+        self._lanes_read_at = -LANES_REFRESH_S
+
+    async def refresh_lanes(self) -> None:
+        """Which workers have affinity lanes, and which workers are alive (at most once per
+        LANES_REFRESH_S: a new lane is seen that much late, by a worker it is not for)."""
+        if time.monotonic() - self._lanes_read_at < LANES_REFRESH_S:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(self.keys.affinity_lanes(self.stage))
+        pipe.zrangebyscore(self.keys.workers, time.time() - self.liveness_s, "+inf")
+        holders, live = await pipe.execute()
+        self._lanes_read_at = time.monotonic()
+        self.live = {_s(w) for w in live} | {self.consumer}
+        placed = [(t, self.keys.affinity_lane(self.stage, t, w), w) for w in sorted(map(_s, holders))
+                  for t in self.tier_names]
+        self.holder_of = {key: w for _t, key, w in placed}
+        self.lanes = self.shared_lanes + [(t, key) for t, key, _w in placed]
+        self.tier_of = {key: tier for tier, key in self.lanes}
 
     async def _last_delivered(self) -> dict[str, str]:
         pipe = self.r.pipeline(transaction=False)
@@ -169,22 +226,45 @@ class TierQueues:
                 groups = []
             last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
             if last is None:
+                if key in self.holder_of:  # a lane deleted after its worker left, or not made yet
+                    continue
                 raise ResponseError(f"NOGROUP consumer group {self.group} missing on {key}")
             out[key] = _s(last)
         return out
 
     async def peek_heads(self, block_ms: int) -> dict[str, Head]:
-        """tier -> its next entry; waits up to `block_ms` for one to appear when
-        every tier is empty (0 = do not wait)."""
+        """tier -> its next entry this consumer may claim; waits up to `block_ms` for one to
+        appear when there is none (0 = do not wait)."""
+        await self.refresh_lanes()
         last = await self._last_delivered()
         resp = await self.r.xread(last, count=1, block=block_ms or None)
+        heads = self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
+        if heads or not self.deferred_until_ms or not block_ms:
+            return heads
+        # Only work placed for other workers is waiting: watch the lanes this consumer may take from,
+        # until the first of those bounds passes.
+        waiting = {_s(key) for key, _entries in resp or []}
+        open_lanes = {k: v for k, v in last.items() if k not in waiting}
+        timeout = max(1, min(block_ms, self.deferred_until_ms - now_ms()))
+        resp = await self.r.xread(open_lanes, count=1, block=timeout) if open_lanes else None
+        if not open_lanes:
+            await asyncio.sleep(timeout / 1000)
         return self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
 
     def heads_of(self, entries) -> dict[str, Head]:
-        """tier -> its next entry, from the oldest undelivered entry of each lane: (stream key, fields)."""
+        """tier -> its next entry, from the oldest undelivered entry of each lane: (stream key, fields).
+        A head placed for another worker counts only once this consumer may claim it."""
         heads: dict[str, Head] = {}
+        self.deferred_until_ms = 0
+        now = now_ms()
         for key, fields in entries:
             tier = self.tier_of[key]
+            holder = self.holder_of.get(key)
+            if holder is not None:
+                until = int(fields.get(b"until_ms", 0))
+                if not may_claim(self.consumer, holder, now, until, holder in self.live):
+                    self.deferred_until_ms = min(self.deferred_until_ms or until, until)
+                    continue
             head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key)
             seen = heads.get(tier)
             if seen is None or self._due_first(head, seen):

@@ -32,6 +32,7 @@ class PrefillResult:
     kv_handle: dict[str, Any]
     prompt_tokens: int
     prompt_logprobs: list | None = None  # skyline.core.logprobs wire form, when the request asked for them
+    cached_tokens: int | None = None  # leading prompt tokens the engine's prefix cache held (None: unknown)
 
 
 @dataclass
@@ -76,6 +77,20 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of KV cache in use, 0..1
 
 
+@dataclass
+class CacheDelta:
+    """What changed in an engine's prefix cache since the last `Engine.cache_delta` call, as block
+    hashes of Skyline's chain (scheduler/prefix.py): the worker mirrors it into the fleet's cache
+    view (skyline/core/cache_view.py). `cleared`: everything held before `stored` is gone."""
+
+    stored: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
 # What one engine step computed and how long it took: (prompt tokens, decode tokens, seconds).
 StepObserver = Callable[[int, int, float], None]
 
@@ -87,6 +102,9 @@ class Engine(abc.ABC):
     # Called after each engine step by engines that can time their steps (vLLM); the worker's
     # metrics set it. The step time the simulator's profile predicts, measured in the fleet.
     on_step: StepObserver | None = None
+    # The prefix cache's block size in tokens, known after `start`; 0 = the engine reports no cache
+    # events (`cache_delta` stays None) and the gateway places none of this worker's requests by prefix.
+    cache_block_size: int = 0
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -112,3 +130,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
+
+    def cache_delta(self) -> CacheDelta | None:
+        """Blocks stored in and evicted from the prefix cache since the previous call (None: nothing
+        new, or no cache events). Called from the worker's event loop, often: must not block."""
+        return None

@@ -13,6 +13,13 @@ Sampling parameters other than max_tokens and stop strings do not change the
 text (it never ends with EOS); `n` choices each get the same text (timed as one sequence);
 logprobs and structured outputs, which need a model, are refused with a 400. A "KV handle" names the
 prefill engine and the prompt length; the decode side charges no transfer time.
+
+The prefix cache is modelled as vLLM's is: full blocks of `SIM_BLOCK_SIZE` tokens, keyed by their
+tokens and all before them (Skyline's chain, scheduler/prefix.py), at most `prefix_cache_blocks`
+of them, least recently used evicted first. A prompt's leading cached blocks cost no prefill time
+(vLLM recomputes at least the last prompt token, so does the sim); the blocks of prompt and output
+are stored once computed (the output's when the sequence ends), and every store and eviction is
+reported as a cache event.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from skyline.core.config import EngineConfig
+from skyline.scheduler.prefix import block_chain, matched_blocks
 from skyline.workers.engines.base import (
+    CacheDelta,
     Engine,
     EngineRequest,
     EngineStats,
@@ -55,12 +64,49 @@ class SimTiming:
     # Prompt tokens per prefill step (chunked prefill): a long prompt takes
     # several steps, so an abort frees the engine within one chunk.
     max_batch_tokens: int = _DEFAULTS.max_num_batched_tokens
+    prefix_cache_blocks: int = _DEFAULTS.sim_prefix_cache_blocks
 
     @classmethod
     def of(cls, ec: EngineConfig) -> SimTiming:
-        """The timing an engine config describes: its sim_* times and its step size."""
+        """The timing an engine config describes: its sim_* times, its step size and its prefix cache."""
         return cls(ec.sim_prefill_base_s, ec.sim_prefill_per_token_s, ec.sim_decode_base_s, ec.sim_decode_per_seq_s,
-                   ec.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS)
+                   ec.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS, ec.sim_prefix_cache_blocks)
+
+
+SIM_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
+
+
+class SimPrefixCache:
+    """Which blocks the sim engine holds (LRU), and the events a worker mirrors into the cache view."""
+
+    def __init__(self, capacity_blocks: int, block_size: int = SIM_BLOCK_SIZE):
+        self.capacity, self.block_size = capacity_blocks, block_size
+        self.blocks: OrderedDict[str, None] = OrderedDict()
+        self.delta = CacheDelta()
+
+    def chain(self, token_ids: list[int], salt: str | None) -> list[str]:
+        return block_chain(token_ids, self.block_size, self.capacity, salt or "")
+
+    def cached_tokens(self, token_ids: list[int], salt: str | None) -> int:
+        """Leading prompt tokens already held (touched: they are in use again); never the whole prompt."""
+        chain = self.chain(token_ids, salt)
+        n = matched_blocks(chain, self.blocks)
+        for h in chain[:n]:
+            self.blocks.move_to_end(h)
+        return min(n * self.block_size, max(0, len(token_ids) - 1))
+
+    def store(self, token_ids: list[int], salt: str | None) -> None:
+        for h in self.chain(token_ids, salt):
+            if h not in self.blocks:
+                self.delta.stored.append(h)
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.delta.removed.append(self.blocks.popitem(last=False)[0])
+
+    def take_delta(self) -> CacheDelta | None:
+        delta, self.delta = self.delta, CacheDelta()
+        return delta or None
 
 
 @dataclass
@@ -70,7 +116,8 @@ class _Seq:
     remote_kv: bool
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     produced: int = 0
-    prefilled: int = 0  # prompt tokens computed so far
+    prefilled: int = 0  # prompt tokens computed so far (or found in the prefix cache)
+    cached: int = 0  # leading prompt tokens the prefix cache held
     text: bytes = b""
     start: int = 0
 
@@ -89,6 +136,11 @@ class SimEngine(Engine):
         self._by_id: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self.cache = SimPrefixCache(self.timing.prefix_cache_blocks) if self.timing.prefix_cache_blocks else None
+        self.cache_block_size = self.cache.block_size if self.cache else 0
+
+    def cache_delta(self) -> CacheDelta | None:
+        return self.cache.take_delta() if self.cache else None
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="sim-engine")
@@ -104,7 +156,7 @@ class SimEngine(Engine):
         if item is _ABORTED:
             raise asyncio.CancelledError(f"request {req.request_id} aborted")
         handle = {"engine_id": self.engine_id, "request_id": req.request_id, "num_tokens": len(req.prompt_token_ids)}
-        return PrefillResult(kv_handle=handle, prompt_tokens=len(req.prompt_token_ids))
+        return PrefillResult(kv_handle=handle, prompt_tokens=len(req.prompt_token_ids), cached_tokens=seq.cached)
 
     async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
         _refuse_what_sim_cannot_compute(req)
@@ -131,7 +183,7 @@ class SimEngine(Engine):
                         chunk.done = True
                         chunk.kv_transfer = {
                             "remote_prefill": seq.remote_kv,
-                            "num_cached_tokens": len(req.prompt_token_ids) if seq.remote_kv else 0,
+                            "num_cached_tokens": len(req.prompt_token_ids) if seq.remote_kv else seq.cached,
                             "source_engine": (kv_handle or {}).get("engine_id"),
                         }
                     yield chunk
@@ -153,7 +205,10 @@ class SimEngine(Engine):
         seq = _Seq(req, prefill_only, remote_kv)
         seq.start = _output_start(req.prompt_token_ids)
         self._by_id[req.request_id] = seq
+        if self.cache and not remote_kv:
+            seq.cached = seq.prefilled = self.cache.cached_tokens(req.prompt_token_ids, req.cache_salt)
         if remote_kv:
+            seq.prefilled = len(req.prompt_token_ids)  # pulled: held, and cached, as computed here
             self._running.append(seq)  # KV arrives from the prefill engine: straight to decode
         else:
             self._waiting.append(seq)
@@ -164,6 +219,8 @@ class SimEngine(Engine):
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return
+        if self.cache and seq.prefilled >= len(seq.req.prompt_token_ids):  # its blocks stay cached, as in vLLM
+            self.cache.store(seq.req.prompt_token_ids + list(seq.text), seq.req.cache_salt)
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:
@@ -194,6 +251,8 @@ class SimEngine(Engine):
                     if seq.prefilled < len(seq.req.prompt_token_ids):
                         continue
                     self._waiting.remove(seq)
+                    if self.cache:  # a prompt's full blocks are cached once computed, as in vLLM
+                        self.cache.store(seq.req.prompt_token_ids, seq.req.cache_salt)
                     if seq.prefill_only:
                         self._drop(seq.req.request_id)
                         seq.out.put_nowait((0, None))

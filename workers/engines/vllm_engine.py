@@ -23,6 +23,9 @@ Evidence that the KV came over NIXL (checked in vLLM 0.32 sources):
     (the prefill engine's own prefix-cache hits, added by vLLM's scheduler),
     vLLM reports THAT number instead (0 for a fresh prompt); we move that key
     out of the handle so `num_cached_tokens` is the decode engine's own count.
+
+What the prefix cache holds (`cache_delta`) comes from vLLM's own KV cache
+events, read and translated into Skyline's block chain by vllm_kv_events.py.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from typing import Any
 
 from skyline.core import logprobs
 from skyline.core.messages import SamplingSpec
+from skyline.workers.engines import vllm_kv_events
 from skyline.workers.engines.base import (
-    Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult,
+    CacheDelta, Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult,
 )
 
 log = logging.getLogger("skyline.engine.vllm")
@@ -85,6 +89,7 @@ class VllmEngine(Engine):
         kv_role: str = "kv_both",
         enforce_eager: bool | None = None,
         engine_nice: int = 0,
+        cache_events: bool = True,
     ):
         self.model = model
         self.engine_nice = engine_nice
@@ -113,6 +118,10 @@ class VllmEngine(Engine):
         # instead of 16 s (one engine, one core) for the same decode throughput
         # (~82 vs ~80 tok/s, 8 x 64 tokens); on GPU compile + CUDA graphs pay off.
         self.enforce_eager = enforce_eager
+        # Publish the prefix cache's events (vllm_kv_events.py) so the gateway can place requests
+        # by prefix: one ZMQ message per step that changed the cache, from the engine core's own thread.
+        self.cache_events = cache_events
+        self._kv_events: vllm_kv_events.KvEventReader | None = None
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._in_flight: set[str] = set()
         self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
@@ -176,6 +185,8 @@ class VllmEngine(Engine):
             enable_logging_iteration_details=True,  # each step's tokens and time feed on_step
             enforce_eager=(not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager,
         )
+        if self._kv_events is not None:
+            kwargs["kv_events_config"] = vllm_kv_events.kv_events_config(self._kv_events.endpoint)
         if self.kv_cache_gib > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         if self.enable_chunked_prefill is not None:
@@ -201,13 +212,36 @@ class VllmEngine(Engine):
         self._set_env()
         _quiet_iteration_lines()
         t0 = time.monotonic()
-        with self._engine_priority():
-            self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
+        if self.cache_events:
+            # Subscribed before the engine core exists, so that no step's events go by unseen.
+            self._kv_events = vllm_kv_events.KvEventReader(vllm_kv_events.ipc_endpoint())
+        try:
+            with self._engine_priority():
+                self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
+        except BaseException:
+            self._close_kv_events()
+            raise
+        self._watch_prefix_cache()
         self._tap_prefill_stats()
         self.kv_bytes_per_token = _kv_bytes_per_token(self._llm)
         self.start_seconds = time.monotonic() - t0
-        log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s)",
-                 self.start_seconds, self.model, self.cpu_bind, self.nixl_port)
+        log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s, prefix-cache blocks of %d tokens reported)",
+                 self.start_seconds, self.model, self.cpu_bind, self.nixl_port, self.cache_block_size)
+
+    def _watch_prefix_cache(self) -> None:
+        """Report the prefix cache in blocks of the engine's size, if the engine caches prefixes at all
+        (vLLM may turn it off, e.g. for MLA models on CPU): without it there are no events."""
+        cc = self._llm.vllm_config.cache_config
+        if self._kv_events is None or not cc.enable_prefix_caching:
+            self._close_kv_events()
+            return
+        self._kv_events.state.block_size = self.cache_block_size = int(cc.block_size)
+
+    def _close_kv_events(self) -> None:
+        self.cache_block_size = 0
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
 
     @contextlib.contextmanager
     def _engine_priority(self):
@@ -240,6 +274,10 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._close_kv_events()
+
+    def cache_delta(self) -> CacheDelta | None:
+        return self._kv_events.poll() if self._kv_events is not None else None
 
     # ---- requests --------------------------------------------------------
 
@@ -269,7 +307,8 @@ class VllmEngine(Engine):
         if not final.kv_transfer_params:
             raise KVTransferError(f"prefill of {req.request_id} returned no KV handle (is kv_transfer on?)")
         return PrefillResult(kv_handle=_plain(final.kv_transfer_params), prompt_tokens=len(req.prompt_token_ids),
-                             prompt_logprobs=logprobs.to_wire(final.prompt_logprobs) if asked is not None else None)
+                             prompt_logprobs=logprobs.to_wire(final.prompt_logprobs) if asked is not None else None,
+                             cached_tokens=final.num_cached_tokens)
 
     async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
         params = sampling_params(req.sampling)
