@@ -279,6 +279,75 @@ async def test_a_kv_pull_that_fails_is_computed_on_the_decode_worker(fleet, clie
     await r.aclose()
 
 
+def _second_decode_worker(fleet) -> None:
+    """decode-1 beside decode-0 (on the prefill engine's core), for the tests that need two."""
+    if "decode-1" not in fleet.procs:
+        cores = sorted(os.sched_getaffinity(0))
+        fleet.start_worker("decode-1", "decode", "--cpu-bind", str(cores[0]))
+    fleet.wait_ready({"decode": 2}, timeout_s=600)
+
+
+_DOC = ("The lighthouse stood on a rock at the edge of the bay. Every night its keeper climbed the stairs, "
+        "trimmed the wick, wound the clockwork and watched the ships pass the reef. ") * 6
+
+
+def _converse(client, history: str, question: str, **kw):
+    prompt = history + question
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_headers={"x-skyline-route": "colocated"}, **kw)
+    return prompt + r.choices[0].text, r.model_extra["skyline"]
+
+
+def test_the_next_turn_is_served_where_the_first_was_cached_on_real_engines(fleet, client, redis_url, tmp_path):
+    """Two decode engines: each conversation's later turns go to the engine that computed its first
+    (vLLM's own KV cache events say what it holds), and report cached prompt tokens; a gateway with
+    prefix affinity off places nothing."""
+    import redis
+
+    from skyline.core.keys import Keys
+    from skyline.core.net import free_port
+
+    _second_decode_worker(fleet)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(fleet.key_prefix)
+    assert {int(r.hget(keys.worker(w), "cache_block_size")) for w in ("decode-0", "decode-1")} == {128}
+    convs = {c: f"Conversation {c}. {_DOC}" for c in range(3)}
+    first: dict[int, str] = {}
+    for c in convs:
+        convs[c], ext = _converse(client, convs[c], f"\nQ{c}: Who climbs the stairs?\nA:")
+        first[c] = ext["decode_worker"]
+    for turn in range(2):
+        time.sleep(0.3)  # the views catch up (every 50 ms), as between a user's turns
+        for c in convs:
+            history = convs[c]
+            convs[c], ext = _converse(client, history, f"\nQ{c}.{turn}: What does the keeper watch?\nA:")
+            assert ext["placement"] and ext["placement"]["worker"] == first[c], ext
+            assert ext["decode_worker"] == first[c]
+            assert ext["kv_transfer"]["num_cached_tokens"] >= 256, ext["kv_transfer"]  # whole 128-token blocks
+
+    # The same fleet behind a gateway with affinity off: nothing is placed, whoever claims first serves.
+    (tmp_path / "off.toml").write_text("[gateway]\nprefix_affinity = false\n")
+    port = free_port()
+    fleet.start("gateway-off", ["gateway", *fleet._common(), "--port", str(port), "--config", str(tmp_path / "off.toml")])
+    import openai
+
+    off = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            off.models.list()
+            break
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline, fleet.logs("gateway-off")
+            time.sleep(0.5)
+    try:
+        for c in convs:
+            _, ext = _converse(off, convs[c], "\nQ: And then?\nA:")
+            assert ext["placement"] is None
+    finally:
+        fleet.stop("gateway-off")
+
+
 def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client, redis_url):
     """Last in this module: it kills a decode worker. A second decode engine joins;
     the one streaming a long greedy answer is killed -9; the other takes the
@@ -296,9 +365,7 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
     prompt = "Write a long story about a lighthouse keeper and the sea."
     kw = dict(model=MODEL, prompt=prompt, max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
     want = client.completions.create(**kw).choices[0].text
-    cores = sorted(os.sched_getaffinity(0))
-    fleet.start_worker("decode-1", "decode", "--cpu-bind", str(cores[0]))
-    fleet.wait_ready({"decode": 2}, timeout_s=600)
+    _second_decode_worker(fleet)
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(fleet.key_prefix)
