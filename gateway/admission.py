@@ -37,7 +37,7 @@ async def apply_admission(
     """The request as it may be enqueued (possibly demoted), with its prompt reserved
     in the backlog; or an ApiError (429/503) with nothing reserved."""
     req = prep.request
-    stage, tokens = stage_of(prep.route), len(req.prompt_token_ids)
+    stage, tokens = stage_of(prep.route), prep.prefill_tokens  # what its prefix cache does not hold
     backlog = await reserve_backlog(r, keys, stage, req.tier, tokens)
     d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
                               pool_rate(fleet.workers, stage), calibration, prep.allow_demotion)

@@ -1,14 +1,23 @@
-"""Prefix affinity in the gateway: place a request where its prompt's prefix is cached.
+"""Prefix affinity in the gateway: what each engine holds of a prompt, and where to place it.
 
 The policy is scheduler/prefix.py's; this module gathers what it decides on: the
-live workers of the request's stage (the fleet view's heartbeats: load, block
-size) and how many leading blocks of the prompt each one's engine holds (the
-cache view in Redis, one round trip for all of them). Skipped, at no cost, when
-fewer than two workers of the stage report a prefix cache: with one worker the
-shared queue reaches the same engine anyway.
+live workers (the fleet view's heartbeats: role, load, block size) and how many
+leading blocks of the prompt each one's engine holds (the cache view in Redis:
+one round trip for every worker of both stages). Skipped, at no cost, when no
+live worker reports a prefix cache.
+
+What it is used for (gateway/dispatch.py):
+- the route: a prompt whose decode worker already holds most of it (the next
+  turn of a conversation) skips the prefill pool, as a short prompt does
+  (conditional disaggregation counts the tokens left to compute);
+- admission control counts those same uncached tokens;
+- the placement: with two or more workers of the request's stage, the one to
+  wait for (its affinity lane, `skyline.core.streams.Placement`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -23,24 +32,89 @@ from skyline.scheduler.prefix import AffinityPolicy, Holder, block_chain, place,
 KV_FULL = 0.95
 
 
-async def place_request(policy: AffinityPolicy, max_blocks: int, r: aioredis.Redis, keys: Keys,
-                        workers: list[WorkerInfo], stage: str, req: GenerateRequest) -> Placement | None:
-    """The worker to place `req` for, with its bound, or None (the shared queue)."""
-    if not policy.enabled:
+@dataclass(frozen=True)
+class CacheMatch:
+    """What the live workers' engines hold of one prompt."""
+
+    prompt_tokens: int
+    block_size: int
+    matched: dict[str, int]  # worker id -> leading blocks of the prompt its engine holds
+    workers: tuple[WorkerInfo, ...]  # those reporting a cache of `block_size`
+
+    def holders(self, stage: str, placed: dict[str, int] | None = None) -> list[Holder]:
+        """The workers of `stage`, their matches and loads: what they held at their last heartbeat,
+        or what this gateway has placed for them and not seen end (`placed`), whichever is more."""
+        placed = placed or {}
+        return [Holder(w.worker_id, self.matched.get(w.worker_id, 0), overloaded(w),
+                       max(w.running, placed.get(w.worker_id, 0))) for w in self.workers if w.role == stage]
+
+    def uncached_tokens(self, worker: str | None) -> int:
+        """Prompt tokens `worker` would compute (None: a worker not known in advance, so all of them).
+        vLLM computes at least the prompt's last token, even when every block is cached."""
+        if worker is None:
+            return self.prompt_tokens
+        cached = min(self.matched.get(worker, 0) * self.block_size, self.prompt_tokens - 1)
+        return self.prompt_tokens - max(0, cached)
+
+    def best_uncached(self, stage: str) -> int:
+        """Prompt tokens left to compute on the best-placed worker of `stage` that is not full."""
+        ready = [h for h in self.holders(stage) if not h.overloaded]
+        return min((self.uncached_tokens(h.worker) for h in ready), default=self.prompt_tokens)
+
+
+async def look_up(r: aioredis.Redis, keys: Keys, workers: list[WorkerInfo], req: GenerateRequest,
+                  max_blocks: int) -> CacheMatch | None:
+    """What every live worker's engine holds of the request's prompt (None: no worker reports a cache)."""
+    reporting = [w for w in workers if w.cache_block_size]
+    if not reporting:
         return None
-    candidates = [w for w in workers if w.role == stage and w.cache_block_size]
-    if len(candidates) < 2:
-        return None
-    block_size = candidates[0].cache_block_size  # one model, one block size; others are not comparable
-    candidates = [w for w in candidates if w.cache_block_size == block_size]
+    block_size = reporting[0].cache_block_size  # one model, one block size; others are not comparable
+    reporting = [w for w in reporting if w.cache_block_size == block_size]
     chain = block_chain(req.prompt_token_ids, block_size, max_blocks, req.cache_salt or "")
-    if not chain:
+    ids = [w.worker_id for w in reporting]
+    matched = await cache_view.matched(r, keys, ids, chain) if chain else dict.fromkeys(ids, 0)
+    return CacheMatch(len(req.prompt_token_ids), block_size, matched, tuple(reporting))
+
+
+def placement(policy: AffinityPolicy, match: CacheMatch | None, stage: str, req: GenerateRequest,
+              in_flight: PlacedInFlight | None = None) -> Placement | None:
+    """The worker of `stage` to place the request for, with its bound; None: the shared queue (with
+    fewer than two workers of the stage the shared queue reaches the same engine anyway)."""
+    if match is None or not policy.enabled:
         return None
-    matched = await cache_view.matched(r, keys, [w.worker_id for w in candidates], chain)
-    best = place(policy, [Holder(w.worker_id, matched[w.worker_id], overloaded(w)) for w in candidates])
+    holders = match.holders(stage, in_flight.count if in_flight else None)
+    if len(holders) < 2:
+        return None
+    best = place(policy, holders)
     if best is None:
         return None
+    if in_flight is not None:
+        in_flight.add(req.request_id, best.worker)
     return Placement(best.worker, wait_bound_ms(policy, now_ms(), req.deadline_ms), best.matched_blocks)
+
+
+class PlacedInFlight:
+    """The requests this gateway placed for each worker that have not ended yet: load the worker's
+    heartbeat (every second, read every half second) may not show yet. Without it a burst would
+    see the same loads and go to one worker. A worker's load is the larger of the two counts (the
+    heartbeat's covers other gateways and unplaced work, this one what was placed since)."""
+
+    def __init__(self) -> None:
+        self.worker_of: dict[str, str] = {}  # request id -> the worker it was placed for
+        self.count: dict[str, int] = {}
+
+    def add(self, request_id: str, worker: str) -> None:
+        self.done(request_id)
+        self.worker_of[request_id] = worker
+        self.count[worker] = self.count.get(worker, 0) + 1
+
+    def done(self, request_id: str) -> None:
+        """The request ended, or was refused before it was enqueued (idempotent)."""
+        worker = self.worker_of.pop(request_id, None)
+        if worker is not None:
+            self.count[worker] -= 1
+            if not self.count[worker]:
+                del self.count[worker]
 
 
 def overloaded(w: WorkerInfo) -> bool:

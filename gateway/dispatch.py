@@ -21,10 +21,10 @@ from redis.exceptions import RedisError
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
-from skyline.core.streams import Placement, enqueue, now_ms, release_backlog
+from skyline.core.streams import enqueue, now_ms, release_backlog
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
-from skyline.gateway.affinity import place_request
+from skyline.gateway.affinity import CacheMatch, PlacedInFlight, look_up, placement
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
@@ -53,17 +53,35 @@ class Dispatcher:
     def __post_init__(self) -> None:
         self.admission_policy = self.cfg.admission_policy()
         self.affinity_policy = self.cfg.affinity_policy()
+        self.placed = PlacedInFlight()  # placed requests not ended yet, by worker: load heartbeats lag behind
 
     async def submit(self, prep: Prepared) -> Session:
         """Check the fleet can serve the request, subscribe to its output, enqueue it."""
         fleet, r, cfg = self.fleet, self.redis, self.cfg
         if fleet is None or r is None or self.relay is None:
             raise ApiError(503, "the gateway is starting or stopping", code="not_ready")
+        try:
+            match = await look_up(r, self.keys, fleet.workers, prep.request, cfg.gateway.affinity_max_blocks)
+        except (RedisError, OSError) as exc:
+            raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
         if not prep.route_fixed and prep.route == "disagg":
-            # Queue depth is part of the route decision: re-decide with the cached prefill backlog.
-            path = route(self.serving.policy, len(prep.request.prompt_token_ids), fleet.prefill_backlog_tokens)
+            # Queue depth and the decode pool's prefix caches are part of the route decision: a prompt
+            # whose decode worker holds most of it has only its new tokens to compute, and skips the
+            # prefill pool as a short prompt does.
+            left = match.best_uncached("decode") if match else len(prep.request.prompt_token_ids)
+            path = route(self.serving.policy, left, fleet.prefill_backlog_tokens)
             if path != prep.route:
                 prep = replace(prep, route=path, request=replace(prep.request, route=path))
+        prep = self._placed(prep, match)
+        try:
+            return await self._admit_and_enqueue(prep)
+        except BaseException:
+            self.placed.done(prep.request.request_id)  # refused: it loads nobody
+            raise
+
+    async def _admit_and_enqueue(self, prep: Prepared) -> Session:
+        fleet, r, cfg = self.fleet, self.redis, self.cfg
+        assert fleet is not None and r is not None
         missing = await fleet.missing(needed_roles(prep.route))
         if fleet.error:
             raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")
@@ -91,7 +109,7 @@ class Dispatcher:
             if cfg.gateway.admission:  # the reservation made by admission control is void
                 with contextlib.suppress(RedisError, OSError):
                     await release_backlog(r, self.keys, stage_of(prep.route), prep.request.tier,
-                                          len(prep.request.prompt_token_ids))
+                                          prep.prefill_tokens)
             raise
 
     async def _subscribe(self, request_id: str) -> Subscription:
@@ -109,11 +127,16 @@ class Dispatcher:
             assert self.relay is not None
             self.relay.unsubscribe(subscribing.result())
 
-    async def _place(self, stage: str, prep: Prepared) -> Placement | None:
-        """Where the prompt's prefix is cached (gateway/affinity.py); None: the shared queue."""
-        assert self.redis is not None and self.fleet is not None
-        return await place_request(self.affinity_policy, self.cfg.gateway.affinity_max_blocks, self.redis, self.keys,
-                                   self.fleet.workers, stage, prep.request)
+    def _placed(self, prep: Prepared, match: CacheMatch | None) -> Prepared:
+        """The worker to wait for (gateway/affinity.py), and what its engine has left to compute: the
+        placed worker's, or the only worker's of the stage; otherwise unknown (all of the prompt)."""
+        if match is None:
+            return prep
+        stage = stage_of(prep.route)
+        placed = placement(self.affinity_policy, match, stage, prep.request, self.placed)
+        holders = match.holders(stage)
+        worker = placed.worker if placed else holders[0].worker if len(holders) == 1 else None
+        return replace(prep, placement=placed, uncached_tokens=match.uncached_tokens(worker))
 
     async def _enqueue(self, prep: Prepared, sub: Subscription) -> Session:
         relay, r = self.relay, self.redis
@@ -126,11 +149,14 @@ class Dispatcher:
             stage, msg = "prefill", prep.request
         else:
             stage, msg = "decode", messages.DecodeWork(request=prep.request, kv_handle=None)
+        session.placement = prep.placement
+        if prep.placement is not None:
+            session.on_close.append(lambda *_: self.placed.done(prep.request.request_id))
         try:
-            session.placement = await self._place(stage, prep)
             session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
             await enqueue(r, self.keys, stage, msg, self.cfg.redis.stream_maxlen,
-                          backlog_reserved=self.cfg.gateway.admission, placement=session.placement)
+                          backlog_reserved=self.cfg.gateway.admission, placement=prep.placement,
+                          prefill_tokens=prep.prefill_tokens)
             session.t_enqueued = time.perf_counter()
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel

@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from skyline.core.config import SkylineConfig
 from skyline.core.messages import GenerateRequest, SamplingSpec
+from skyline.core.streams import Placement
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.tiers import Slo, SloError, TierNotAllowed, resolve_slo
 
@@ -76,6 +77,15 @@ class Prepared:
     model_ttft_ms: float | None = None  # the same before calibration: what the calibration learns from
     route_fixed: bool = False  # the client chose the route (x-skyline-route): never re-routed
     t_prepared: float = 0.0  # perf_counter() once vLLM's serving code had rendered it and Skyline prepared it
+    # Prefix affinity (gateway/affinity.py): the worker it waits for, and the prompt tokens left to
+    # compute where it will run (None: all of them), what admission and the backlog count.
+    placement: Placement | None = None
+    uncached_tokens: int | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its prefill will compute: what admission control and the backlog count."""
+        return len(self.request.prompt_token_ids) if self.uncached_tokens is None else self.uncached_tokens
 
 
 def check_auth(request: Request, api_keys: tuple[str, ...]) -> None:

@@ -13,9 +13,10 @@ holds in the fleet's cache view (skyline/core/cache_view.py). Two different
 prefixes with one hash would cost a cache miss, never a wrong answer: the
 engine's own cache decides what it reuses.
 
-Placement (`place`). A request goes to the worker holding the longest leading
-run of its chain, when that worker is not overloaded and holds at least
-`min_blocks` more than any other that is not; otherwise to the shared queue,
+Placement (`place`). A request goes to the worker where it costs least, cache
+and load together (`cost`: blocks left to compute plus the requests the worker
+already has, each worth `load_blocks`), when that worker is not overloaded and
+is cheaper than every other by `min_blocks`; otherwise to the shared queue,
 where the first worker with room takes it, as without affinity.
 
 The wait (`wait_bound_ms`, `may_claim`). A placed request waits for its holder
@@ -74,9 +75,13 @@ def matched_blocks(chain: Sequence[str], held: Collection[str]) -> int:
 @dataclass(frozen=True)
 class AffinityPolicy:
     enabled: bool = True
-    min_blocks: int = 1  # a holder must hold at least this many leading blocks to be waited for
+    min_blocks: int = 1  # placed only where that saves this many blocks over the next best worker
     slack_share: float = 0.5  # wait for the holder at most this share of the slack to the TTFT deadline
     max_wait_ms: int = 2_000  # and never longer than this
+    # What one request a worker holds (or was placed and has not claimed yet) costs, in blocks of
+    # prompt to compute: the exchange rate between cache and load (Dynamo's router weighs the two
+    # the same way, KV blocks to prefill against blocks already active).
+    load_blocks: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,23 +91,33 @@ class Holder:
     worker: str
     matched_blocks: int  # leading blocks of the request's chain in its cache view
     overloaded: bool  # full (its heartbeat's running requests at max_running), or its KV cache nearly is
+    load: float = 0.0  # requests it holds or has waiting for it
+
+
+def cost(policy: AffinityPolicy, h: Holder) -> float:
+    """What serving the request on `h` costs, in blocks, up to a constant shared by all workers (the
+    prompt's length): the blocks it would compute, less those cached, plus its load."""
+    return policy.load_blocks * h.load - h.matched_blocks
 
 
 def place(policy: AffinityPolicy, holders: Sequence[Holder]) -> Holder | None:
     """The worker to wait for, or None (the shared queue, where the first worker with room takes it).
 
-    Among workers not overloaded: the longest match, if it beats every other such worker's by at
-    least `min_blocks`. Where others hold as much (a system prompt every engine has cached by now),
-    waiting for one of them buys nothing the shared queue would not give, and the shared queue
-    balances the load: so ties are not placed."""
+    The cheapest worker not overloaded (`cost`: cache and load together), if it is cheaper than
+    every other such worker by at least `min_blocks`. A holder of the prompt's prefix wins while
+    its load does not outweigh what its cache saves; past that the least loaded worker gets the
+    request, cached or not, so that one worker holding a popular prefix (a system prompt) does not
+    draw every request. Where no worker is cheaper (all hold as much, equally loaded), the shared
+    queue balances the load as well as a choice would."""
     if not policy.enabled:
         return None
-    ready = sorted((h for h in holders if not h.overloaded), key=lambda h: -h.matched_blocks)
+    ready = sorted((h for h in holders if not h.overloaded), key=lambda h: cost(policy, h))
     if not ready:
         return None
-    runner_up = ready[1].matched_blocks if len(ready) > 1 else 0
     best = ready[0]
-    return best if best.matched_blocks - runner_up >= max(1, policy.min_blocks) else None
+    if len(ready) > 1 and cost(policy, ready[1]) - cost(policy, best) < max(1, policy.min_blocks):
+        return None
+    return best
 
 
 def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int) -> int:

@@ -58,12 +58,43 @@ def test_placement_waits_for_the_longest_holder_that_is_not_overloaded():
 
 
 def test_what_every_worker_holds_is_left_to_the_shared_queue():
-    # A system prompt all engines have cached: waiting for one of them buys nothing, and the shared
-    # queue balances the load.
+    # A system prompt all engines have cached, equal loads: no choice beats the shared queue.
     assert place(AffinityPolicy(), [Holder("w1", 17, False), Holder("w2", 17, False)]) is None
     assert place(AffinityPolicy(), [Holder("w1", 20, False), Holder("w2", 17, False)]).worker == "w1"
     assert place(AffinityPolicy(), [Holder("w1", 17, True), Holder("w2", 3, False)]).worker == "w2"  # w1 is full
-    assert place(AffinityPolicy(min_blocks=4), [Holder("w1", 17, True), Holder("w2", 3, False)]) is None
+
+
+def test_a_popular_prefix_does_not_draw_every_request_to_its_holder():
+    # Only w1 holds the system prompt (2 blocks): it gets new sessions while its load does not
+    # outweigh that, then the least loaded worker gets them, cached or not.
+    policy = AffinityPolicy(load_blocks=1.0)
+    assert place(policy, [Holder("w1", 2, False, load=0), Holder("w2", 0, False, load=0)]).worker == "w1"
+    assert place(policy, [Holder("w1", 2, False, load=2), Holder("w2", 0, False, load=0)]) is None  # even
+    assert place(policy, [Holder("w1", 2, False, load=3), Holder("w2", 0, False, load=0)]).worker == "w2"
+    # A conversation's long history outweighs a busier holder.
+    assert place(policy, [Holder("w1", 12, False, load=6), Holder("w2", 0, False, load=0)]).worker == "w1"
+    # Load alone, nothing cached anywhere: the idle worker.
+    assert place(policy, [Holder("w1", 0, False, load=4), Holder("w2", 0, False, load=1)]).worker == "w2"
+
+
+def test_a_burst_counts_its_own_placements_before_any_heartbeat_does():
+    from skyline.gateway.affinity import PlacedInFlight
+
+    placed = PlacedInFlight()
+    policy = AffinityPolicy()
+    picks = []
+    for i in range(6):  # six at once, no heartbeat between them: every worker's says 0
+        holders = [Holder(w, 3 if w == "w1" else 0, False, load=placed.count.get(w, 0)) for w in ("w1", "w2")]
+        best = place(policy, holders)
+        if best is not None:
+            placed.add(f"r{i}", best.worker)
+        picks.append(best.worker if best else "shared")
+    # w1's 3 cached blocks are worth 3 requests of load; then the shared queue, which balances.
+    assert picks == ["w1", "w1", "w1", "shared", "shared", "shared"], picks
+    for i in range(6):
+        placed.done(f"r{i}")
+        placed.done(f"r{i}")  # idempotent: a refusal and a close may both say so
+    assert placed.count == {} and placed.worker_of == {}
 
 
 def test_the_wait_is_a_share_of_the_slack_and_never_past_it():
@@ -136,106 +167,24 @@ def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis
         assert time.monotonic() - t0 < bound_s + 3, time.monotonic() - t0  # the bound, and a claim loop's turn
 
 
-# -- the affinity lanes and the cache view against a real redis-server --------------------------
-
-import asyncio  # noqa: E402
-
-import pytest  # noqa: E402
-import redis.asyncio as aioredis  # noqa: E402
-
-from skyline.core import cache_view  # noqa: E402
-from skyline.core import messages as m  # noqa: E402
-from skyline.core.fleet import WorkerInfo, heartbeat  # noqa: E402
-from skyline.core.streams import Placement, TierQueues, enqueue, ensure_groups, now_ms  # noqa: E402
-from skyline.scheduler.tiers import DEFAULT_TIERS  # noqa: E402
-from skyline.workers.reaper import forget_departed  # noqa: E402
-
-TIERS = tuple(t.name for t in DEFAULT_TIERS)
-
-
-def _request(rid: str, deadline_ms: int, tier: str = "standard") -> m.GenerateRequest:
-    return m.GenerateRequest(rid, "sim", [1, 2, 3], m.SamplingSpec(), tier, 0, deadline_ms, 1000, 100)
-
-
-@pytest.fixture
-async def ar(redis_url):
-    client = aioredis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-async def _alive(r, keys, *workers):
-    for w in workers:
-        await heartbeat(r, keys, WorkerInfo(w, "decode", "sim", "m", "h", 1, 0, 0, 0.0, 0.0, 0.0), ttl_s=10)
-
-
-async def test_placed_work_is_its_holders_until_the_bound_then_anyones(ar, key_prefix):
+def test_a_turn_whose_decode_worker_holds_its_history_skips_the_prefill_pool(redis_url, key_prefix, tmp_path):
+    """Conditional disaggregation counts the tokens left to compute: the next turn of a conversation,
+    whose history the decode engine holds (it pulled the first turn's KV), is computed there; a new
+    long prompt still goes to the prefill pool. The backlog admission reserved is what the workers
+    take off again (nothing left over)."""
+    fleet = Fleet(redis_url, key_prefix, "sim", tmp_path, gateway_args=("--min-remote-prefill-tokens", "64"))
+    r = redis.Redis.from_url(redis_url)
     keys = Keys(key_prefix)
-    await ensure_groups(ar, keys, TIERS, "decode")
-    await _alive(ar, keys, "w1", "w2")
-    until = now_ms() + 600
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("placed", now_ms() + 5_000), None), 1000,
-                  placement=Placement("w1", until, 3))
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("shared", now_ms() + 9_000), None), 1000)
-    w1, w2 = (TierQueues(ar, keys, "decode", DEFAULT_TIERS, w) for w in ("w1", "w2"))
-    # w2 takes the shared entry, not the one placed for w1 although it is due first ...
-    got = await w2.claim(block_ms=100)
-    assert got.message.request.request_id == "shared"
-    t0 = now_ms()
-    got = None
-    while got is None and now_ms() - t0 < 3_000:  # each claim waits (for the bound at most), never spins
-        got = await w2.claim(block_ms=2_000)
-    assert got is not None and got.message.request.request_id == "placed"
-    assert now_ms() >= until  # ... until the bound, then takes it
-    # w1 would have taken it at once: the holder sees its own lane's head.
-    assert await w1.claim(block_ms=10) is None
-
-
-async def test_the_holder_claims_at_once_and_a_dead_holders_work_is_taken_at_once(ar, key_prefix):
-    keys = Keys(key_prefix)
-    await ensure_groups(ar, keys, TIERS, "decode")
-    await _alive(ar, keys, "w1", "w2")
-    far = now_ms() + 60_000
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("a", far), None), 1000, placement=Placement("w1", far))
-    w1 = TierQueues(ar, keys, "decode", DEFAULT_TIERS, "w1")
-    got = await w1.claim(block_ms=100)
-    assert got.message.request.request_id == "a" and got.stream == keys.affinity_lane("decode", "standard", "w1")
-    await w1.ack(got)
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("b", far), None), 1000, placement=Placement("gone", far))
-    w2 = TierQueues(ar, keys, "decode", DEFAULT_TIERS, "w2")  # "gone" never heartbeated
-    got = await w2.claim(block_ms=100)
-    assert got.message.request.request_id == "b"
-    await w2.ack(got)
-    # The departed worker's lanes, empty now, are removed; the live one's stay.
-    await forget_departed(w2, after_s=5)
-    assert await ar.smembers(keys.affinity_lanes("decode")) == {b"w1"}
-    assert not await ar.exists(keys.affinity_lane("decode", "standard", "gone"))
-
-
-async def test_an_entry_waiting_for_its_bound_does_not_block_the_others_of_its_tier(ar, key_prefix):
-    keys = Keys(key_prefix)
-    await ensure_groups(ar, keys, TIERS, "decode")
-    await _alive(ar, keys, "w1", "w2")
-    far = now_ms() + 60_000
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("for-w1", far - 1), None), 1000,
-                  placement=Placement("w1", far))
-    w2 = TierQueues(ar, keys, "decode", DEFAULT_TIERS, "w2")
-    pending = asyncio.create_task(w2.claim(block_ms=1_000))
-    await asyncio.sleep(0.2)
-    await enqueue(ar, keys, "decode", m.DecodeWork(_request("later", far), None), 1000)
-    got = await pending  # woken by the new shared entry, not by the bound a minute away
-    assert got is not None and got.message.request.request_id == "later"
-
-
-async def test_the_cache_view_is_bounded_and_expires_with_its_worker(ar, key_prefix):
-    keys = Keys(key_prefix)
-    flood = [f"{i:016x}" for i in range(5_000)]  # a flood of distinct prefixes
-    for i in range(0, len(flood), 500):
-        await cache_view.apply(ar, keys, "w1", flood[i:i + 500], [], False, max_blocks=1_000, ttl_s=10)
-    assert await ar.zcard(keys.kv_cache("w1")) == 1_000 and 0 < await ar.ttl(keys.kv_cache("w1")) <= 10
-    assert await ar.zscore(keys.kv_cache("w1"), flood[-1]) is not None  # the newest are kept
-    assert (await cache_view.matched(ar, keys, ["w1", "w2"], flood[-3:] + ["nope"])) == {"w1": 3, "w2": 0}
-    await cache_view.apply(ar, keys, "w1", [], flood[-2:], False, 1_000, 10)
-    assert (await cache_view.matched(ar, keys, ["w1"], flood[-3:])) == {"w1": 1}
-    await cache_view.apply(ar, keys, "w1", ["ab" * 8], [], True, 1_000, 10)  # cleared, then one stored
-    assert await ar.zcard(keys.kv_cache("w1")) == 1
+    with fleet.running({"prefill-1": ("prefill",), "decode-1": ("decode",)}, timeout_s=60):
+        client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
+        history = "A long shared document about lighthouses and the keepers who tend them. " * 5
+        history, first = _turns(client, history, "\nUser: who tends them?\nAssistant:")
+        assert first["route"] == "disagg" and first["prefill_worker"] == "prefill-1"
+        time.sleep(0.3)
+        _, second = _turns(client, history, "\nUser: and at night?\nAssistant:")
+        assert second["route"] == "colocated", second  # ~30 new tokens: under the 64 of the threshold
+        assert second["kv_transfer"]["num_cached_tokens"] >= (len(history) // 16 - 1) * 16, second["kv_transfer"]
+        _, fresh = _turns(client, "An unrelated question, long enough to be worth a prefill worker. " * 3, "?")
+        assert fresh["route"] == "disagg"
+        time.sleep(0.5)
+        assert all(int(v) == 0 for v in r.hgetall(keys.backlog).values()), r.hgetall(keys.backlog)

@@ -480,6 +480,10 @@ class _Prep:
     predicted_ttft_ms: float | None = None
     model_ttft_ms: float | None = None
 
+    @property
+    def prefill_tokens(self) -> int:  # nothing of it cached, as in the simulator
+        return len(self.request.prompt_token_ids)
+
 
 @pytest.mark.parametrize("demotion", [True, False])
 def test_the_simulated_gateway_admits_demotes_and_learns_as_the_live_one(demotion):

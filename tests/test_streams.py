@@ -1,14 +1,18 @@
-"""Tier streams against a real redis-server: exactly-once claims and EDF order."""
+"""Tier streams against a real redis-server: exactly-once claims and EDF order; the affinity
+lanes (placed work: its holder's first, anyone's after the bound) and the cache view."""
 
 import asyncio
 
 import pytest
 import redis.asyncio as aioredis
 
+from skyline.core import cache_view
 from skyline.core import messages as m
 from skyline.core.keys import Keys
-from skyline.core.streams import TierQueues, enqueue, ensure_groups
+from skyline.core.fleet import WorkerInfo, heartbeat
+from skyline.core.streams import Placement, TierQueues, enqueue, ensure_groups, now_ms
 from skyline.scheduler.tiers import DEFAULT_TIERS
+from skyline.workers.reaper import forget_departed
 
 TIERS = tuple(t.name for t in DEFAULT_TIERS)
 
@@ -140,3 +144,82 @@ async def test_backlog_counts_queued_prompt_tokens_per_tier(r, key_prefix):
     assert await queued_tokens(r, keys, "decode") == {}
     await enqueue(r, keys, "decode", m.DecodeWork(request("e", "batch", 1), kv_handle=None), 1000)
     assert await queued_tokens(r, keys, "decode") == {"batch": 3}
+
+
+# -- prefix affinity: the affinity lanes and the cache view (scheduler/prefix.py) ----------------
+
+async def _alive(r, keys, *workers):
+    for w in workers:
+        await heartbeat(r, keys, WorkerInfo(w, "decode", "sim", "m", "h", 1, 0, 0, 0.0, 0.0, 0.0), ttl_s=10)
+
+
+async def test_placed_work_is_its_holders_until_the_bound_then_anyones(r, key_prefix):
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "decode")
+    await _alive(r, keys, "w1", "w2")
+    until = now_ms() + 600
+    await enqueue(r, keys, "decode", m.DecodeWork(request("placed", deadline_ms=now_ms() + 5_000), None), 1000,
+                  placement=Placement("w1", until, 3))
+    await enqueue(r, keys, "decode", m.DecodeWork(request("shared", deadline_ms=now_ms() + 9_000), None), 1000)
+    w1, w2 = (TierQueues(r, keys, "decode", DEFAULT_TIERS, w) for w in ("w1", "w2"))
+    # w2 takes the shared entry, not the one placed for w1 although it is due first ...
+    got = await w2.claim(block_ms=100)
+    assert got.message.request.request_id == "shared"
+    t0 = now_ms()
+    got = None
+    while got is None and now_ms() - t0 < 3_000:  # each claim waits (for the bound at most), never spins
+        got = await w2.claim(block_ms=2_000)
+    assert got is not None and got.message.request.request_id == "placed"
+    assert now_ms() >= until  # ... until the bound, then takes it
+    # w1 would have taken it at once: the holder sees its own lane's head.
+    assert await w1.claim(block_ms=10) is None
+
+
+async def test_the_holder_claims_at_once_and_a_dead_holders_work_is_taken_at_once(r, key_prefix):
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "decode")
+    await _alive(r, keys, "w1", "w2")
+    far = now_ms() + 60_000
+    await enqueue(r, keys, "decode", m.DecodeWork(request("a", deadline_ms=far), None), 1000, placement=Placement("w1", far))
+    w1 = TierQueues(r, keys, "decode", DEFAULT_TIERS, "w1")
+    got = await w1.claim(block_ms=100)
+    assert got.message.request.request_id == "a" and got.stream == keys.affinity_lane("decode", "standard", "w1")
+    await w1.ack(got)
+    await enqueue(r, keys, "decode", m.DecodeWork(request("b", deadline_ms=far), None), 1000, placement=Placement("gone", far))
+    w2 = TierQueues(r, keys, "decode", DEFAULT_TIERS, "w2")  # "gone" never heartbeated
+    got = await w2.claim(block_ms=100)
+    assert got.message.request.request_id == "b"
+    await w2.ack(got)
+    # The departed worker's lanes, empty now, are removed; the live one's stay.
+    await forget_departed(w2, after_s=5)
+    assert await r.smembers(keys.affinity_lanes("decode")) == {b"w1"}
+    assert not await r.exists(keys.affinity_lane("decode", "standard", "gone"))
+
+
+async def test_an_entry_waiting_for_its_bound_does_not_block_the_others_of_its_tier(r, key_prefix):
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "decode")
+    await _alive(r, keys, "w1", "w2")
+    far = now_ms() + 60_000
+    await enqueue(r, keys, "decode", m.DecodeWork(request("for-w1", deadline_ms=far - 1), None), 1000,
+                  placement=Placement("w1", far))
+    w2 = TierQueues(r, keys, "decode", DEFAULT_TIERS, "w2")
+    pending = asyncio.create_task(w2.claim(block_ms=1_000))
+    await asyncio.sleep(0.2)
+    await enqueue(r, keys, "decode", m.DecodeWork(request("later", deadline_ms=far), None), 1000)
+    got = await pending  # woken by the new shared entry, not by the bound a minute away
+    assert got is not None and got.message.request.request_id == "later"
+
+
+async def test_the_cache_view_is_bounded_and_expires_with_its_worker(r, key_prefix):
+    keys = Keys(key_prefix)
+    flood = [f"{i:016x}" for i in range(5_000)]  # a flood of distinct prefixes
+    for i in range(0, len(flood), 500):
+        await cache_view.apply(r, keys, "w1", flood[i:i + 500], [], False, max_blocks=1_000, ttl_s=10)
+    assert await r.zcard(keys.kv_cache("w1")) == 1_000 and 0 < await r.ttl(keys.kv_cache("w1")) <= 10
+    assert await r.zscore(keys.kv_cache("w1"), flood[-1]) is not None  # the newest are kept
+    assert (await cache_view.matched(r, keys, ["w1", "w2"], flood[-3:] + ["nope"])) == {"w1": 3, "w2": 0}
+    await cache_view.apply(r, keys, "w1", [], flood[-2:], False, 1_000, 10)
+    assert (await cache_view.matched(r, keys, ["w1"], flood[-3:])) == {"w1": 1}
+    await cache_view.apply(r, keys, "w1", ["ab" * 8], [], True, 1_000, 10)  # cleared, then one stored
+    assert await r.zcard(keys.kv_cache("w1")) == 1

@@ -231,7 +231,8 @@ class GatewayConfig:
     # after that, or once that worker is gone, any worker may. Only with two or more live workers
     # of the stage reporting cache events.
     prefix_affinity: bool = True
-    affinity_min_blocks: int = 1  # a holder must hold at least this many leading blocks
+    affinity_min_blocks: int = 1  # placed only where that saves this many blocks over the next best worker
+    affinity_load_blocks: float = 1.0  # a request a worker holds or has waiting costs this many blocks of prompt
     affinity_slack_share: float = 0.5
     affinity_max_wait_ms: int = 2_000
     affinity_max_blocks: int = 512  # blocks of a prompt hashed and looked up (bounds a long prompt's cost)
@@ -309,7 +310,8 @@ class SkylineConfig:
     def affinity_policy(self) -> AffinityPolicy:
         """The prefix-affinity policy this config describes (the gateway's and the simulator's)."""
         g = self.gateway
-        return AffinityPolicy(g.prefix_affinity, g.affinity_min_blocks, g.affinity_slack_share, g.affinity_max_wait_ms)
+        return AffinityPolicy(g.prefix_affinity, g.affinity_min_blocks, g.affinity_slack_share, g.affinity_max_wait_ms,
+                              g.affinity_load_blocks)
 
     def admission_policy(self) -> AdmissionPolicy:
         """The admission policy this config describes (the gateway's and the simulator's)."""

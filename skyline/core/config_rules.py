@@ -119,6 +119,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("gateway", "rate_limit_burst"): _AT_LEAST_1,
     ("gateway", "tenant_tokens_per_minute"): _AT_LEAST_0,
     ("gateway", "affinity_min_blocks"): _AT_LEAST_1,
+    ("gateway", "affinity_load_blocks"): _AT_LEAST_0,
     ("gateway", "affinity_slack_share"): _FRACTION,
     ("gateway", "affinity_max_wait_ms"): _AT_LEAST_0,
     ("gateway", "affinity_max_blocks"): _AT_LEAST_1,

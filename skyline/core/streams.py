@@ -81,14 +81,19 @@ class Placement:
 async def enqueue(
     r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
     backlog_reserved: bool = False, retry: bool = False, placement: Placement | None = None,
+    prefill_tokens: int | None = None,
 ) -> str:
     """XADD a request to its tier stream (`retry`: to the tier's retry lane, for work
     returned to the queue; `placement`: to the affinity lane of the worker it names).
     Besides the msgpack body, a few plain fields make `XRANGE` readable for an
     operator. `backlog_reserved`: admission control already added the prompt to the
-    backlog (see `reserve_backlog`)."""
+    backlog (see `reserve_backlog`). `prefill_tokens`: what its prefill will compute, when the
+    gateway knows its prefix is cached (else the whole prompt); the worker takes the same off the
+    backlog at ack."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
     fields = entry_fields(msg)
+    if prefill_tokens is not None and fields["prefill_tokens"]:
+        fields["prefill_tokens"] = prefill_tokens
     prefill_tokens = fields["prefill_tokens"]
     pipe = r.pipeline(transaction=False)
     if placement is not None:

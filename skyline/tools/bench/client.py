@@ -27,6 +27,9 @@ class RequestRecord:
     latency_s: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    # usage.prompt_tokens_details.cached_tokens: prompt tokens the server's prefix cache served
+    # (vLLM reports it with --enable-prompt-tokens-details); None when the server does not say.
+    cached_tokens: int | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds after `sent`
     text: str = ""  # the streamed output, concatenated
     skyline: dict = field(default_factory=dict)  # the gateway's extension object, when present
@@ -68,6 +71,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 if chunk.get("skyline"):
                     rec.skyline = chunk["skyline"]
         rec.latency_s = time.perf_counter() - rec.sent

@@ -1,4 +1,5 @@
-"""The open-loop load driver: send each request at its time, never waiting for earlier ones.
+"""The load driver: open-loop requests (`run_rate`), open-loop sessions of closed-loop turns
+(`run_sessions`), and one request at a time (`run_sequential`).
 
 A closed loop (N clients, each waiting for its last answer) slows down with
 the server and hides queueing; real users arrive regardless, so requests go
@@ -6,6 +7,11 @@ out on a fixed schedule and a slow server shows up as growing TTFT. After the
 last send the driver waits up to `drain_s` for stragglers, then cancels them
 (the client disconnects, so the server aborts them) and counts them as
 `cancelled`: an overloaded rate cannot stall the whole sweep.
+
+The multi-turn workload (skyline.tools.bench.multiturn) keeps the open loop for
+sessions, which start on a fixed schedule; within one, a user sends the next
+turn only after the answer to the last (and a think time), because the next
+prompt holds that answer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from typing import Callable
 
 import httpx
 
+from skyline.tools.bench import multiturn
 from skyline.tools.bench.client import RequestRecord, stream_completion
+from skyline.tools.bench.multiturn import Session
 from skyline.tools.bench.record import BenchRecord, build_record
 from skyline.tools.bench.shaping import shape
 from skyline.tools.bench.workload import BenchRequest
@@ -52,12 +60,7 @@ async def run_rate(target: Target, rate: float, requests: list[BenchRequest], dr
         url = target.url + CHAT_PATH
 
         async def one(req: BenchRequest) -> None:
-            body, headers = target.shape(req)
-            try:
-                rec = await stream_completion(client, url, body, headers)
-            except Exception as exc:  # noqa: BLE001 - a malformed response is that request's error, not the run's
-                rec = RequestRecord(error=f"{type(exc).__name__}: {exc}")
-            results[req.index] = rec
+            rec = results[req.index] = await _send(client, url, target, req)
             on_done(build_record(target.system, rate, req, sent_at[req.index], rec, target.targets(req.cls)))
 
         t0 = time.perf_counter()
@@ -83,6 +86,14 @@ async def run_rate(target: Target, rate: float, requests: list[BenchRequest], dr
     return records, duration
 
 
+async def _send(client: httpx.AsyncClient, url: str, target: Target, req: BenchRequest) -> RequestRecord:
+    body, headers = target.shape(req)
+    try:
+        return await stream_completion(client, url, body, headers)
+    except Exception as exc:  # noqa: BLE001 - a malformed response is that request's error, not the run's
+        return RequestRecord(error=f"{type(exc).__name__}: {exc}")
+
+
 def _duration(t0: float, sent_at: dict[int, float], results: dict[int, RequestRecord], cut: bool) -> float:
     """First send to last completion (vLLM's benchmark duration); to now when stragglers were cut."""
     if cut or not results:
@@ -100,3 +111,60 @@ async def run_sequential(target: Target, requests: list[BenchRequest]) -> list[B
             rec = await stream_completion(client, target.url + CHAT_PATH, body, headers)
             out.append(build_record(target.system, 0.0, req, 0.0, rec, target.targets(req.cls)))
     return out
+
+
+# Builds turn `turn` of a session from its conversation so far: (session, turn, messages, index, send_at)
+# -> the request, or None when the conversation ends there (skyline.tools.bench.multiturn.turn_request).
+TurnBuilder = Callable[[Session, int, list[dict], int, float], BenchRequest | None]
+Transcript = tuple[list[dict], str]  # a request's messages and the answer it got
+
+
+async def run_sessions(target: Target, rate: float, sessions: list[Session], build: TurnBuilder, drain_s: float,
+                       on_done: Callable[[BenchRecord], None] = lambda r: None,
+                       ) -> tuple[list[BenchRecord], float, list[Transcript]]:
+    """Start `sessions` on their schedule, each turn after the last one's answer and think time;
+    returns (records in send order, duration s, each record's transcript). At the drain deadline the
+    turns in flight are cancelled and the turns not yet sent never are."""
+    sent: list[tuple[BenchRequest, float]] = []
+    results: dict[int, RequestRecord] = {}
+    async with _client(len(sessions)) as client:
+        url = target.url + CHAT_PATH
+        t0 = time.perf_counter()
+
+        async def converse(session: Session) -> None:
+            messages, answer = multiturn.first_messages(session), ""
+            for turn in range(len(session.users)):
+                if turn:
+                    await asyncio.sleep(session.think_s[turn - 1])
+                    messages = multiturn.next_messages(messages, answer, session.users[turn])
+                req = build(session, turn, messages, len(sent), time.perf_counter() - t0)
+                if req is None:
+                    return
+                at = time.perf_counter() - t0  # after the prompt was counted: the lag shows in send_lag_ms_max
+                sent.append((req, at))
+                rec = results[req.index] = await _send(client, url, target, req)
+                record = build_record(target.system, rate, req, at, rec, target.targets(req.cls))
+                on_done(record)
+                if record.outcome != "ok":
+                    return  # a user who got no answer does not follow up
+                answer = rec.text
+
+        tasks = []
+        for session in sessions:
+            delay = t0 + session.start_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(converse(session)))
+        _done, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = _duration(t0, {req.index: at for req, at in sent}, results, cut=bool(pending))
+    records = []
+    for req, at in sent:
+        rec = results.get(req.index)
+        records.append(build_record(target.system, rate, req, at, rec, target.targets(req.cls)))
+        if rec is None:
+            on_done(records[-1])
+    transcripts = [(list(req.messages), results[req.index].text if req.index in results else "") for req, _ in sent]
+    return records, duration, transcripts

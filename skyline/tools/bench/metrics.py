@@ -41,6 +41,24 @@ def _share(records: list[BenchRecord], pred: Callable[[BenchRecord], bool]) -> f
     return sum(map(pred, records)) / len(records) if records else float("nan")
 
 
+def _hit_rate(records: list[BenchRecord], cached: Callable[[BenchRecord], int | None]) -> tuple[float, int, int]:
+    """(cached / prompt tokens, cached, prompt) over the records for which `cached` is known."""
+    known = [(c, r.server_prompt_tokens or r.prompt_tokens) for r in records if (c := cached(r)) is not None]
+    hit, prompt = sum(c for c, _ in known), sum(p for _, p in known)
+    return (hit / prompt if prompt else float("nan")), hit, prompt
+
+
+def prefix_cache(ok: list[BenchRecord]) -> dict:
+    """The prefix-cache hit rate the server reported, the oracle's (one infinite cache, `oracle.py`)
+    and their ratio, over completed requests. NaN where nobody said (a server that reports no cached
+    tokens; a workload without the oracle)."""
+    rate, hit, prompt = _hit_rate(ok, lambda r: r.cached_tokens)
+    orate, ohit, oprompt = _hit_rate(ok, lambda r: r.oracle_cached_tokens)
+    return {"hit_rate": rate, "oracle_hit_rate": orate,
+            "of_oracle": rate / orate if orate > 0 else float("nan"),  # (NaN compares False: NaN stays)
+            "cached_tokens": hit, "prompt_tokens": prompt, "oracle_cached_tokens": ohit}
+
+
 def summarize(records: list[BenchRecord], duration_s: float) -> dict:
     """The summary of one system at one rate."""
     ok = [r for r in records if r.outcome == "ok"]
@@ -67,6 +85,7 @@ def summarize(records: list[BenchRecord], duration_s: float) -> dict:
         "tpot_ms": latency_stats([r.tpot_s for r in ok if r.output_tokens > 1]),
         "itl_ms": latency_stats([g for r in ok for g in r.itl_s]),
         "e2e_ms": latency_stats([r.latency_s for r in ok]),
+        "prefix_cache": prefix_cache(ok),
     }
 
 

@@ -22,20 +22,44 @@ QUICK = {
 }
 
 
+# Systems run when --systems is not given, per workload (names as in skyline.tools.bench.systems).
+DEFAULT_SYSTEMS = {"mixed": "vllm-fcfs,vllm-priority,skyline-colocated,skyline-disagg",
+                   "multiturn": "vllm-rr,skyline-affinity,skyline-no-affinity"}
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     # Names spelled out (not imported from skyline.tools.bench.systems) so building the CLI parser stays cheap.
-    p.add_argument("--systems", default="vllm-fcfs,vllm-priority,skyline-colocated,skyline-disagg",
-                   help="comma-separated, run in this order; the first is the SLO baseline. Known: vllm-fcfs, "
-                        "vllm-priority, skyline-colocated, skyline-disagg, sim-colocated, sim-disagg")
-    p.add_argument("--rates", help="comma-separated request rates (req/s) to sweep")
-    p.add_argument("--duration", type=float, help="seconds of arrivals per rate (requests = rate x duration)")
-    p.add_argument("--num-requests", type=int, help="requests per rate (instead of --duration)")
+    p.add_argument("--systems",
+                   help="comma-separated, run in this order; the first is the SLO baseline (default: "
+                        f"{DEFAULT_SYSTEMS['mixed']}; with --workload multiturn: {DEFAULT_SYSTEMS['multiturn']}). "
+                        "Known: vllm-fcfs, vllm-priority, skyline-colocated, skyline-disagg, vllm-rr, skyline-affinity, "
+                        "skyline-no-affinity, sim-colocated, sim-disagg, sim-affinity, sim-no-affinity")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "multiturn"],
+                   help="mixed: independent chat and RAG requests (default); multiturn: conversations of several "
+                        "turns and RAG questions over shared documents, one system prompt (prefix-cache reuse)")
+    p.add_argument("--engines", type=int, default=2,
+                   help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, sim-...), "
+                        "one core each; default 2")
+    p.add_argument("--turns", default="3-5", help="multiturn: turns per conversation LO-HI (default 3-5)")
+    p.add_argument("--think-s", type=float, default=1.5,
+                   help="multiturn: mean think time (s, exponential) between an answer and the next turn; default 1.5")
+    p.add_argument("--rag-docs", type=int, default=3,
+                   help="multiturn: shared documents the RAG questions are about (default 3)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1800,
+                   help="multiturn: a conversation ends before a prompt longer than this (default 1800; context 2048)")
+    p.add_argument("--rates", help="comma-separated request rates (req/s; multiturn: sessions/s) to sweep")
+    p.add_argument("--duration", type=float,
+                   help="seconds of arrivals per rate (requests = rate x duration; multiturn: sessions)")
+    p.add_argument("--num-requests", type=int, help="requests (multiturn: sessions) per rate (instead of --duration)")
     p.add_argument("--drain", type=float,
                    help="seconds to wait for stragglers after the last send; then they are cancelled")
-    p.add_argument("--mix", type=float, default=0.8, help="fraction of chat requests (the rest is RAG); default 0.8")
-    p.add_argument("--chat-prompt", help="chat prompt tokens LO-HI (chat template included)")
-    p.add_argument("--rag-prompt", help="RAG prompt tokens LO-HI (keep LO-HI + output under the 2048 context)")
-    p.add_argument("--chat-output", help="chat output tokens LO-HI (exact: ignore_eos)")
+    p.add_argument("--mix", type=float, default=0.8,
+                   help="fraction of chat requests (the rest is RAG); multiturn: of conversations; default 0.8")
+    p.add_argument("--chat-prompt", help="chat prompt tokens LO-HI (chat template included); multiturn: of each "
+                                         "user message")
+    p.add_argument("--rag-prompt", help="RAG prompt tokens LO-HI (keep LO-HI + output under the 2048 context); "
+                                        "multiturn: of each shared document's questions")
+    p.add_argument("--chat-output", help="chat output tokens LO-HI (exact: ignore_eos); multiturn: per turn")
     p.add_argument("--rag-output", help="RAG output tokens LO-HI")
     p.add_argument("--chat-tier", default="interactive", choices=["interactive", "standard", "batch"])
     p.add_argument("--rag-tier", default="standard", choices=["interactive", "standard", "batch"])

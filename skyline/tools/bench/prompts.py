@@ -24,7 +24,11 @@ class PromptBuilder:
 
     def count(self, content: str) -> int:
         """Prompt tokens of a one-message chat with this content, template included."""
-        return len(self.tok.apply_chat_template([{"role": "user", "content": content}]))
+        return self.count_messages([{"role": "user", "content": content}])
+
+    def count_messages(self, messages: list[dict]) -> int:
+        """Prompt tokens of a whole conversation, template included (the multi-turn workload's turns)."""
+        return len(self.tok.apply_chat_template(messages))
 
     def chat(self, target_tokens: int, rng: random.Random) -> tuple[str, int]:
         """A question, preceded by background text when the target is longer than the question."""
@@ -45,6 +49,14 @@ class PromptBuilder:
             order += rng.sample(PASSAGES, k=len(PASSAGES))
         passages = "\n\n".join(f"[{i + 1}] {p}" for i, p in enumerate(order))
         return self._fit(f"{RAG_INSTRUCTION}\n\n{passages}", f"\n\nQuestion: {question}", target_tokens)
+
+    def document(self, target_tokens: int, rng: random.Random) -> str:
+        """A shared document for the multi-turn workload's RAG questions: the RAG instruction and
+        numbered passages (a shuffled order, so two documents differ from their first passage), cut to
+        about `target_tokens` as a one-message chat. Questions are appended to it unchanged, so every
+        question over one document shares this text as a prefix."""
+        passages = "\n\n".join(f"[{i + 1}] {p}" for i, p in enumerate(rng.sample(PASSAGES, k=len(PASSAGES))))
+        return self._fit(f"{RAG_INSTRUCTION}\n\n{passages}", "", target_tokens)[0]
 
     def _fit(self, filler: str, suffix: str, target_tokens: int) -> tuple[str, int]:
         """`filler` cut so that filler + suffix is about `target_tokens`; returns (content, real length).

@@ -49,6 +49,12 @@ class BenchRecord:
     tpot_target_ms: float = 0.0
     attained: bool = False
     skyline: dict = field(default_factory=dict)  # the gateway's response extension, when present
+    # Prompt tokens served from the prefix cache, as the server says (Skyline: skyline.kv_transfer.
+    # num_cached_tokens; vLLM: usage.prompt_tokens_details.cached_tokens); None: it does not say.
+    cached_tokens: int | None = None
+    oracle_cached_tokens: int | None = None  # what one infinite cache would have served (oracle.py)
+    session: int = -1  # the multi-turn workload's session and turn (skyline.tools.bench.multiturn)
+    turn: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +85,8 @@ def build_record(system: str, rate: float, req: BenchRequest, sent_s: float, rec
                  targets_ms: tuple[float, float]) -> BenchRecord:
     """Join what was sent with what came back; `rec` None means cancelled at the drain deadline."""
     out = BenchRecord(system, rate, req.index, req.cls, req.tier, req.prompt_tokens, req.max_tokens, req.send_at,
-                      sent_s=sent_s, ttft_target_ms=targets_ms[0], tpot_target_ms=targets_ms[1])
+                      sent_s=sent_s, ttft_target_ms=targets_ms[0], tpot_target_ms=targets_ms[1],
+                      session=req.session, turn=req.turn)
     if rec is None:
         out.outcome, out.error = "cancelled", "still running at the drain deadline"
         return out
@@ -94,4 +101,17 @@ def build_record(system: str, rate: float, req: BenchRequest, sent_s: float, rec
         out.tpot_s = tpot(rec.latency_s, rec.ttft_s, rec.output_tokens)
         out.itl_s = itls(rec.chunk_times)
         out.attained = attains(out.outcome, out.ttft_s, out.tpot_s, *targets_ms)
+        out.cached_tokens = cached_tokens(rec)
     return out
+
+
+def cached_tokens(rec: RequestRecord) -> int | None:
+    """Prompt tokens the server's prefix cache served: Skyline's extension, else OpenAI usage details.
+    None for a prompt a prefill worker computed: the decode engine counts the KV it pulled as cached,
+    and the response does not say what the prefill engine's cache served."""
+    kv = rec.skyline.get("kv_transfer") or {}
+    if kv.get("remote_prefill"):
+        return None
+    if kv.get("num_cached_tokens") is not None:
+        return int(kv["num_cached_tokens"])
+    return rec.cached_tokens

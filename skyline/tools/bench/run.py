@@ -7,7 +7,8 @@ to itself):
   3. on the first system that starts (the baseline), if any SLO target is
      to be derived: the unloaded probe (requests one at a time), giving the
      per-class targets used for every system (and sent to Skyline as headers);
-  4. for each rate: the open-loop run; then the next rate;
+  4. for each rate: the open-loop run (--workload multiturn: open-loop sessions of closed-loop
+     turns, then the oracle's prefix-cache hits for what was sent); then the next rate;
   5. stop it.
 A system that fails to start or crashes is reported as failed and the
 sweep goes on with the next one.
@@ -24,7 +25,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,10 +33,12 @@ import redis
 from tqdm import tqdm
 
 from skyline.tools.bench import driver, engine_steps, metrics, report
-from skyline.tools.bench.options import parse_per_class, parse_range, preset
+from skyline.tools.bench.multiturn import MultiturnSpec, make_sessions, turn_request
+from skyline.tools.bench.options import DEFAULT_SYSTEMS, parse_per_class, parse_range, preset
+from skyline.tools.bench.oracle import oracle_cached_tokens
 from skyline.tools.bench.prompts import PromptBuilder
 from skyline.tools.bench.slo import SloTargets, derive_targets, explicit_targets
-from skyline.tools.bench.systems import SYSTEMS, SystemSpec, engine_cores, start
+from skyline.tools.bench.systems import SYSTEMS, SystemSpec, cache_block_size, engine_cores, start
 from skyline.tools.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
 
 NO_TARGET = (math.inf, math.inf)  # before targets are known (warm-up, probe): nothing to judge against
@@ -70,15 +73,17 @@ class Bench:
             chat_output=parse_range(p["chat_output"]), rag_output=parse_range(p["rag_output"]),
             chat_tier=args.chat_tier, rag_tier=args.rag_tier, arrival=args.arrival, burstiness=args.burstiness,
             seed=args.seed)
+        # (getattr: argument sets built before the multi-turn workload, e.g. tests', lack its options)
+        self.workload_kind = getattr(args, "workload", "mixed")
+        self.multiturn = MultiturnSpec(turns=parse_range(getattr(args, "turns", "3-5")),
+                                       think_s=getattr(args, "think_s", 1.5), rag_docs=getattr(args, "rag_docs", 3),
+                                       max_prompt_tokens=getattr(args, "max_prompt_tokens", 1800))
         self.explicit_ttft, self.explicit_tpot = parse_per_class(args.slo_ttft_ms), parse_per_class(args.slo_tpot_ms)
         if args.endpoint:
             self.systems = [SystemSpec("endpoint", "endpoint", args.endpoint_flavor)]
         else:
-            names = [s.strip() for s in args.systems.split(",") if s.strip()]
-            unknown = [n for n in names if n not in SYSTEMS]
-            if unknown:
-                raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
-            self.systems = [SYSTEMS[n] for n in names]
+            self.systems = self._systems(args.systems or DEFAULT_SYSTEMS[self.workload_kind],
+                                         getattr(args, "engines", None))
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out = Path(args.out or f"bench-results/{stamp}")
         self.targets: SloTargets | None = None
@@ -86,6 +91,18 @@ class Bench:
             self.targets = explicit_targets(self.explicit_ttft, self.explicit_tpot)
         self._builders: dict[str, PromptBuilder] = {}
         self.engine_profile: dict | None = None  # --profile-engine: the profile taken after the systems ran
+
+    @staticmethod
+    def _systems(names_csv: str, engines: int | None) -> list[SystemSpec]:
+        """The named systems; `engines` (--engines) sets the engine count of the N-engine ones."""
+        names = [s.strip() for s in names_csv.split(",") if s.strip()]
+        unknown = [n for n in names if n not in SYSTEMS]
+        if unknown:
+            raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+        if engines is not None and engines < 1:
+            raise SystemExit(f"--engines must be at least 1, got {engines}")
+        return [replace(SYSTEMS[n], engines=engines) if engines and SYSTEMS[n].engines > 1 else SYSTEMS[n]
+                for n in names]
 
     # -- workload -------------------------------------------------------------------------------
 
@@ -132,24 +149,52 @@ class Bench:
                 self.targets = derive_targets(probe, self.args.slo_scale, spec.name, self.explicit_ttft,
                                               self.explicit_tpot)
                 bar.write(f"[{spec.name}] SLO targets: TTFT {self.targets.ttft_ms} ms, TPOT {self.targets.tpot_ms} ms")
+            block_size = cache_block_size(spec, self.args.tokenizer)  # the oracle's unit: the engine's block
             for rate in self.rates:
                 bar.set_postfix_str(f"{spec.name} @ {rate:g} req/s")
-                reqs = make_requests(self.workload, builder, self.n_for(rate), rate)
                 running.check_alive()
-                progress = lambda _r: bar.update(1)
-                recs, duration = asyncio.run(driver.run_rate(target, rate, reqs, self.drain_s, progress))
+                if self.workload_kind == "multiturn":
+                    recs, duration = self._run_sessions(target, builder, rate, block_size, bar)
+                else:
+                    reqs = make_requests(self.workload, builder, self.n_for(rate), rate)
+                    progress = lambda _r: bar.update(1)
+                    recs, duration = asyncio.run(driver.run_rate(target, rate, reqs, self.drain_s, progress))
                 running.check_alive()  # a crash mid-run would otherwise look like a slow server
                 summary = metrics.summarize(recs, duration)
+                if self.workload_kind == "multiturn":
+                    summary["prefix_cache"]["block_size"] = block_size
                 summary["send_lag_ms_max"] = max((r.sent_s - r.send_at) * 1000 for r in recs)  # load-generator health
                 runs.append({"system": spec.name, "rate": rate, "summary": summary})
                 records.extend(r.to_dict() for r in recs)
                 bar.write(f"[{spec.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, "
-                          f"{summary['rejected']} rejected, attainment {summary['attainment']:.0%}")
+                          f"{summary['rejected']} rejected, attainment {summary['attainment']:.0%}"
+                          + _cache_line(summary["prefix_cache"]))
             if running.redis_url:
                 self._engine_steps(spec, running, info, bar)
         finally:
             running.stop()
         return info
+
+    def _run_sessions(self, target: driver.Target, builder: PromptBuilder, rate: float, block_size: int,
+                      bar: tqdm) -> tuple[list, float]:
+        """One rate of the multi-turn workload; each completed request gets the oracle's cached tokens.
+        The bar counts sessions (at their first answer): how many turns follow depends on the answers."""
+        mt = self.multiturn
+        sessions = make_sessions(self.workload, mt, builder, self.n_for(rate), rate)
+
+        def build(session, turn, messages, index, send_at):
+            return turn_request(session, turn, messages, builder, mt, index, send_at)
+
+        progress = lambda r: bar.update(1) if r.turn == 0 else None
+        recs, duration, transcripts = asyncio.run(
+            driver.run_sessions(target, rate, sessions, build, self.drain_s, progress))
+        done = [(r, t) for r, t in zip(recs, transcripts) if r.outcome == "ok"]
+        tok = builder.tok
+        hits = oracle_cached_tokens([(tok.apply_chat_template(msgs), tok.encode_answer(answer)) for _, (msgs, answer)
+                                     in done], block_size)
+        for (rec, _), hit in zip(done, hits):
+            rec.oracle_cached_tokens = hit
+        return recs, duration
 
     def _engine_steps(self, spec: SystemSpec, running, info: dict, bar: tqdm) -> None:
         """The engine steps the system's workers ran (warm-up and probe included), kept with its results."""
@@ -203,6 +248,12 @@ class Bench:
         results = self._results(started, load_start, systems, runs, probe, records, complete=True)
         return results, report.write(results, self.out)
 
+    def _workload_config(self) -> dict:
+        """The workload as results.json keeps it; the mixed one exactly as before (merge compares them)."""
+        if self.workload_kind == "mixed":
+            return asdict(self.workload)
+        return {**asdict(self.workload), "kind": self.workload_kind, "multiturn": asdict(self.multiturn)}
+
     def profile_argv(self, path: Path) -> list[str]:
         """`skyline profile` of the engine as the colocated systems run it: every core, no KV connector."""
         return [sys.executable, "-m", "skyline.cli", "profile", "--cpu-bind", engine_cores(), "--no-kv-transfer",
@@ -242,12 +293,20 @@ class Bench:
                        "probe_requests": self.probe_n, "warmup": self.warmup_n,
                        "allow_demotion": self.args.allow_demotion,
                        "skyline_config": self.skyline_config,
-                       "workload": asdict(self.workload)},
+                       "workload": self._workload_config()},
             "definitions": report.DEFINITIONS,
             "slo": self.targets.to_dict() if self.targets else {"ttft_ms": {}, "tpot_ms": {}, "source": "not measured"},
             "systems": systems, "goodput": goodput, "runs": runs, "probe": probe, "records": records,
             **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
         })
+
+
+def _cache_line(pc: dict) -> str:
+    """', prefix cache 41% (oracle 63%)' for the progress line; nothing when the server said nothing."""
+    if pc["hit_rate"] is None or math.isnan(pc["hit_rate"]):
+        return ""
+    oracle = pc["oracle_hit_rate"]
+    return f", prefix cache {pc['hit_rate']:.0%}" + ("" if math.isnan(oracle) else f" (oracle {oracle:.0%})")
 
 
 def main(args: argparse.Namespace) -> None:

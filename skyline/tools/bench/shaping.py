@@ -31,7 +31,7 @@ def shape(flavor: str, req: BenchRequest, model: str, targets_ms: tuple[float, f
     """
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": req.content}],
+        "messages": list(req.messages) or [{"role": "user", "content": req.content}],
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,

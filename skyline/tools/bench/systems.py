@@ -7,8 +7,13 @@ between ways of using the same hardware:
   vllm-priority      the same server with --scheduling-policy priority
   skyline-colocated  Skyline gateway + Redis + one decode worker that also prefills
   skyline-disagg     Skyline gateway + Redis + 1 prefill worker + 1 decode worker
-  sim-colocated / sim-disagg   the Skyline fleets on the `sim` engine (tests)
+  vllm-rr            N plain vLLM servers, one core each, behind a round-robin proxy (rrproxy.py)
+  skyline-affinity   Skyline gateway + Redis + N colocated decode workers, one core each (prefix affinity)
+  skyline-no-affinity  the same with [gateway] prefix_affinity = false
+  sim-colocated / sim-disagg / sim-affinity / sim-no-affinity   the Skyline fleets on the `sim` engine (tests)
   endpoint           an already running OpenAI-compatible server (--endpoint)
+The N-engine systems (N = `engines`, the bench's --engines) compare N prefix caches placed by
+prefix with N caches placed blindly, on the same N cores.
 Process output goes to <out>/logs/<system>-<process>.log.
 """
 
@@ -25,12 +30,14 @@ from pathlib import Path
 
 import httpx
 
-from skyline.tools.redis_server import start_redis
-
 from skyline.core.net import free_port
+from skyline.tools.bench.config_file import with_changes
+from skyline.tools.redis_server import start_redis
 
 VLLM_MAX_MODEL_LEN = 2048  # Skyline's default context; both sides must agree
 VLLM_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE; Skyline's default kv_cache_gib per engine is the same
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's KV block on CPU: its prefix cache holds whole blocks of this many tokens
+DEFAULT_ENGINES = 2  # engines of the N-engine systems: this machine's 2 cores, one each
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,10 @@ class SystemSpec:
     engine: str = "vllm"  # skyline fleets: "vllm" | "sim"
     mode: str = ""  # skyline fleets: "colocated" | "disagg"
     scheduling: str = "fcfs"  # vllm server: "fcfs" | "priority"
+    # Engines, one core each (vLLM servers behind the round-robin proxy, or Skyline decode workers);
+    # 1 = the classic systems: one engine on every core (a disagg fleet: 1 prefill + 1 decode).
+    engines: int = 1
+    affinity: bool = True  # skyline fleets: [gateway] prefix_affinity
 
 
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
@@ -50,12 +61,28 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("skyline-disagg", "skyline", "skyline", mode="disagg"),
     SystemSpec("sim-colocated", "skyline", "skyline", engine="sim", mode="colocated"),
     SystemSpec("sim-disagg", "skyline", "skyline", engine="sim", mode="disagg"),
+    SystemSpec("vllm-rr", "vllm", "plain", engines=DEFAULT_ENGINES),
+    SystemSpec("skyline-affinity", "skyline", "skyline", mode="colocated", engines=DEFAULT_ENGINES),
+    SystemSpec("skyline-no-affinity", "skyline", "skyline", mode="colocated", engines=DEFAULT_ENGINES,
+               affinity=False),
+    SystemSpec("sim-affinity", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES),
+    SystemSpec("sim-no-affinity", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES,
+               affinity=False),
 )}
 DEFAULT_SYSTEMS = ("vllm-fcfs", "vllm-priority", "skyline-colocated", "skyline-disagg")
 
 
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cache_block_size(spec: SystemSpec, tokenizer: str = "default") -> int:
+    """The block size of a system's prefix cache (the oracle's unit): the sim engine's, else vLLM's on
+    CPU. `tokenizer`: an endpoint's --tokenizer ("bytes" = a sim fleet)."""
+    from skyline.workers.engines.sim import SIM_BLOCK_SIZE
+
+    sim = spec.engine == "sim" or (spec.kind == "endpoint" and tokenizer == "bytes")
+    return SIM_BLOCK_SIZE if sim else VLLM_CPU_BLOCK_SIZE
 
 
 def engine_cores() -> str:
@@ -147,7 +174,31 @@ def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str
     return run
 
 
+def _models_ok(url: str) -> bool:
+    return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+
+
 def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
+    """One server on every core; or (engines > 1) one server per core behind the round-robin proxy."""
+    from skyline.tools.model import DEFAULT_MODEL_NAME
+
+    run.model = DEFAULT_MODEL_NAME
+    if run.spec.engines == 1:
+        run.url = _spawn_vllm(run, "server", engine_cores(), log_dir)
+        _wait(run, lambda: _models_ok(run.url), timeout_s)
+        return
+    cores = _cores()
+    urls = [_spawn_vllm(run, f"server-{i}", str(cores[i % len(cores)]), log_dir) for i in range(run.spec.engines)]
+    for url in urls:  # they start side by side; each must serve before the proxy is worth asking
+        _wait(run, lambda url=url: _models_ok(url), timeout_s)
+    port = free_port()
+    _spawn(run, "proxy", [sys.executable, "-m", "skyline.tools.bench.rrproxy", "--port", str(port), *urls], log_dir)
+    run.url = f"http://127.0.0.1:{port}"
+    _wait(run, lambda: _models_ok(run.url), timeout_s)
+
+
+def _spawn_vllm(run: Running, name: str, cores: str, log_dir: Path) -> str:
+    """Start one vLLM OpenAI server bound to `cores`; returns its base URL."""
     from skyline.tools.model import DEFAULT_MODEL_NAME, resolve_model
     from skyline.workers.engines import vllm_plugin
 
@@ -156,14 +207,15 @@ def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
             "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", "float32", "--max-model-len", str(VLLM_MAX_MODEL_LEN),
             "--host", "127.0.0.1", "--port", str(port),
             # Eager mode starts in ~16 s instead of ~70 s and decodes as fast on CPU.
-            "--enforce-eager", "--scheduling-policy", run.spec.scheduling]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": engine_cores(),
+            "--enforce-eager", "--scheduling-policy", run.spec.scheduling,
+            # usage.prompt_tokens_details.cached_tokens: the prefix-cache hits the report counts.
+            "--enable-prompt-tokens-details"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
            # The CPU fix Skyline's own engines get (vllm_plugin.py: queue readers that sleep instead of
            # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
            vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}
-    _spawn(run, "server", argv, log_dir, env)
-    run.url, run.model = f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME
-    _wait(run, lambda: httpx.get(f"{run.url}/v1/models", timeout=2).status_code == 200, timeout_s)
+    _spawn(run, name, argv, log_dir, env)
+    return f"http://127.0.0.1:{port}"
 
 
 def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
@@ -175,22 +227,26 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     rport, gport = free_port(), free_port()
     run.redis = start_redis(rport, Path(run.tmp.name) / "redis")
     run.redis_url = f"redis://127.0.0.1:{rport}/0"
+    if not spec.affinity:  # the user's config (or the defaults), affinity off: one file every process reads
+        run.config = with_changes(run.config, {"gateway": {"prefix_affinity": False}},
+                                  Path(run.tmp.name) / "skyline.toml")
     common = ["--redis-url", run.redis_url, "--engine", spec.engine]
     if spec.engine == "vllm":
         common += ["--model", "default"]
     if run.config:
         common += ["--config", run.config]
     cli = [sys.executable, "-m", "skyline.cli"]
-    # Same pinning as `skyline up`: colocated = one worker on every core; disagg = prefill core 0, decode core 1.
+    # Same pinning as `skyline up`: colocated = one worker on every core; disagg = prefill core 0, decode core 1;
+    # N decode workers (engines > 1) = one core each.
     cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
     run.key_prefix = cfg.key_prefix
-    plan = plan_workers(cfg, 1, 1)
+    plan = plan_workers(cfg, 1, spec.engines)
     for name, extra in plan:
         _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)
     _spawn(run, "gateway", [*cli, "gateway", *common, "--port", str(gport), "--mode", spec.mode], log_dir)
     # stop() signals in list order: workers were added first, so they drain before the gateway goes.
     run.url = f"http://127.0.0.1:{gport}"
-    want = {"decode": 1, **({"prefill": 1} if spec.mode == "disagg" else {})}
+    want = {"decode": spec.engines, **({"prefill": 1} if spec.mode == "disagg" else {})}
 
     def ready() -> bool:
         workers = httpx.get(f"{run.url}/health", timeout=2).json().get("workers", {})

@@ -21,6 +21,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def encode_answer(self, text: str) -> list[int]:
+        """Token ids of a generated answer's text (no special tokens added): what the engine generated,
+        near enough (re-tokenizing text may split it differently at a few places)."""
+        return self.encode(text)
+
     @abc.abstractmethod
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat conversation, ending with the assistant prompt."""
@@ -39,6 +44,9 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         # add_special_tokens matches what vLLM's OpenAI server does for completions.
         return list(self._tok.encode(text, add_special_tokens=True))
+
+    def encode_answer(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

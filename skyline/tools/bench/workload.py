@@ -51,6 +51,11 @@ class BenchRequest:
     content: str  # the user message
     prompt_tokens: int  # after the chat template, in the served model's tokens
     max_tokens: int
+    # The multi-turn workload (skyline.tools.bench.multiturn): the whole conversation sent (system
+    # prompt, earlier turns and their answers, then `content`), its session and turn; () = `content` alone.
+    messages: tuple[dict, ...] = ()
+    session: int = -1
+    turn: int = 0
 
 
 class Builder(Protocol):
