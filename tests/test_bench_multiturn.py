@@ -230,3 +230,12 @@ def test_the_round_robin_proxy_alternates_and_streams_as_it_goes():
         assert first_at < 0.3 < second_at  # relayed as it came, not buffered to the end
     assert models == ["u0", "u0"]
     assert down == 502
+
+
+def test_the_oracle_lets_a_request_hit_one_that_overtook_it():
+    # A is sent first but B, sent 0.1 s later with the same 8-token prefix, is prefilled first:
+    # A then finds B's blocks cached, so the bound must let it (send order alone would say 0).
+    a, b = (list(range(1, 11)), []), ([*range(1, 9), 30, 31], [])
+    assert oracle_cached_tokens([a, b], 4) == [0, 8]  # send order
+    assert oracle_cached_tokens([a, b], 4, windows=[(0.0, 1.0), (0.1, 0.5)]) == [8, 8]
+    assert oracle_cached_tokens([a, b], 4, windows=[(0.0, 0.05), (0.1, 0.5)]) == [0, 8]  # A done before B left

@@ -68,6 +68,9 @@ class Bench:
         config = getattr(args, "skyline_config", None)  # (absent from other commands' argument sets)
         self.skyline_config = str(Path(config).resolve()) if config else ""
         self.probe_n, self.warmup_n = p["probe_requests"], p["warmup"]
+        # What the system being run was sent before the rate being measured (warm-up, probe, earlier
+        # rates): the oracle's history, so that it stays an upper bound (multiturn only).
+        self.sent_before: list[tuple[list[int], list[int]]] = []
         self.workload = WorkloadSpec(
             mix=args.mix, chat_prompt=parse_range(p["chat_prompt"]), rag_prompt=parse_range(p["rag_prompt"]),
             chat_output=parse_range(p["chat_output"]), rag_output=parse_range(p["rag_output"]),
@@ -141,10 +144,13 @@ class Bench:
             target = driver.Target(spec.name, running.url, running.model, spec.flavor, self._targets_of,
                                    self.args.allow_demotion)
             builder = self.builder(spec)
+            self.sent_before = []  # a new system: new, empty caches
             self._warm_up(spec, running, builder)
             if self.targets is None:
                 bar.write(f"[{spec.name}] unloaded probe: {self.probe_n} requests per class, one at a time")
-                probe = asyncio.run(driver.run_sequential(target, probe_requests(self.workload, builder, self.probe_n)))
+                probing = probe_requests(self.workload, builder, self.probe_n)
+                probe = asyncio.run(driver.run_sequential(target, probing))
+                self._seen(builder, probing)
                 probe_out.extend(r.to_dict() for r in probe)
                 self.targets = derive_targets(probe, self.args.slo_scale, spec.name, self.explicit_ttft,
                                               self.explicit_tpot)
@@ -190,11 +196,22 @@ class Bench:
             driver.run_sessions(target, rate, sessions, build, self.drain_s, progress))
         done = [(r, t) for r, t in zip(recs, transcripts) if r.outcome == "ok"]
         tok = builder.tok
-        hits = oracle_cached_tokens([(tok.apply_chat_template(msgs), tok.encode_answer(answer)) for _, (msgs, answer)
-                                     in done], block_size)
+        sent = [(tok.apply_chat_template(msgs), tok.encode_answer(answer)) for _, (msgs, answer) in done]
+        # Against everything the system was sent before too (warm-up, probe, earlier rates): its caches
+        # hold blocks of those (every chat prompt starts with the same template tokens, at least).
+        windows = [(-1.0, -1.0)] * len(self.sent_before) + [(r.sent_s, r.sent_s + r.ttft_s) for r, _ in done]
+        hits = oracle_cached_tokens(self.sent_before + sent, block_size, windows)[len(self.sent_before):]
+        self.sent_before += sent
         for (rec, _), hit in zip(done, hits):
             rec.oracle_cached_tokens = hit
         return recs, duration
+
+    def _seen(self, builder: PromptBuilder, requests) -> None:
+        """Requests sent before the measured ones, for the oracle (their answers are not kept)."""
+        if self.workload_kind == "multiturn":
+            tok = builder.tok
+            self.sent_before += [(tok.apply_chat_template(list(r.messages) or [{"role": "user", "content": r.content}]),
+                                  []) for r in requests]
 
     def _engine_steps(self, spec: SystemSpec, running, info: dict, bar: tqdm) -> None:
         """The engine steps the system's workers ran (warm-up and probe included), kept with its results."""
@@ -214,6 +231,7 @@ class Bench:
         # No SLO targets in warm-up (the tier's defaults apply): it must not be shed, only run.
         untargeted = driver.Target(spec.name, running.url, running.model, spec.flavor, lambda _c: NO_TARGET)
         recs = asyncio.run(driver.run_sequential(untargeted, warm))
+        self._seen(builder, warm)
         failed = [r for r in recs if r.outcome == "error"]
         if len(failed) == len(recs):
             raise RuntimeError(f"every warm-up request failed: {failed[0].error}")

@@ -17,6 +17,7 @@ class SimRequest:
         "index", "cls", "send_at", "prompt_tokens", "max_tokens", "ttft_target_ms", "tpot_target_ms",
         # prompt tokens the engine finds in its prefix cache (a replayed trace's measured hits; else 0)
         "cached_tokens",
+        "oracle_cached_tokens",  # as BenchRecord's: None, the simulator has no oracle (bench/oracle.py)
         # Skyline's view: tier after SLO resolution (and demotion), deadline, route
         "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms", "tpot_ms",
         # timeline (virtual seconds)
@@ -40,6 +41,7 @@ class SimRequest:
         self.ttft_s = self.tpot_s = self.latency_s = 0.0
         self.server_prompt_tokens = prompt_tokens
         self.cached_tokens = 0
+        self.oracle_cached_tokens = None
 
     def resent(self) -> SimRequest:
         """The same request, not yet served (to replay one trace on several fleets)."""

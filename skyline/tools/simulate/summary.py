@@ -83,4 +83,15 @@ def summarize(requests, duration_s: float) -> dict:
         "tpot_ms": _stats(tpot[ok & (out_tok > 1)]),
         "itl_ms": _stats(np.asarray(itl, float) * 1000),
         "e2e_ms": _stats(lat[ok]),
+        "prefix_cache": _prefix_cache(column("cached_tokens", np.int64)[ok], prompt_used[ok]),
     }
+
+
+def _prefix_cache(cached: np.ndarray, prompt: np.ndarray) -> dict:
+    """`metrics.prefix_cache` of simulated requests: their cached tokens are known (a replayed
+    trace's, else 0), an oracle's are not (the simulator keeps no token ids)."""
+    total = int(prompt.sum())
+    hit = int(cached.sum())
+    nan = float("nan")
+    return {"hit_rate": hit / total if total else nan, "oracle_hit_rate": nan, "of_oracle": nan,
+            "cached_tokens": hit, "prompt_tokens": total, "oracle_cached_tokens": 0}
