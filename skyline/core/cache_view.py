@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from skyline.core.keys import Keys
+from skyline.scheduler.prefix import matched_blocks
 
 
 async def apply(r: aioredis.Redis, keys: Keys, worker_id: str, stored: Sequence[str], removed: Sequence[str],
@@ -49,15 +50,8 @@ async def matched(r: aioredis.Redis, keys: Keys, worker_ids: Sequence[str], chai
     pipe = r.pipeline(transaction=False)
     for w in worker_ids:
         pipe.zmscore(keys.kv_cache(w), list(chain))
-    out: dict[str, int] = {}
-    for w, scores in zip(worker_ids, await pipe.execute()):
-        n = 0
-        for score in scores or ():
-            if score is None:
-                break
-            n += 1
-        out[w] = n
-    return out
+    return {w: matched_blocks(chain, {h for h, score in zip(chain, scores or ()) if score is not None})
+            for w, scores in zip(worker_ids, await pipe.execute())}
 
 
 def _ttl(ttl_s: float) -> int:

@@ -39,10 +39,11 @@ async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: floa
     now = time.time()
     info.last_seen = now
     pipe = r.pipeline(transaction=False)
+    ttl = max(1, int(ttl_s + 0.999))
     pipe.hset(keys.worker(info.worker_id), mapping={k: str(v) for k, v in info.__dict__.items()})
-    pipe.expire(keys.worker(info.worker_id), max(1, int(ttl_s + 0.999)))
+    pipe.expire(keys.worker(info.worker_id), ttl)
     pipe.zadd(keys.workers, {info.worker_id: now})
-    pipe.expire(keys.kv_cache(info.worker_id), max(1, int(ttl_s + 0.999)))  # its cache view lives as long
+    pipe.expire(keys.kv_cache(info.worker_id), ttl)  # its cache view lives as long
     await pipe.execute()
 
 

@@ -6,7 +6,6 @@ module only observes the stream heads and moves entries.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -250,10 +249,9 @@ class TierQueues:
         # until the first of those bounds passes.
         waiting = {_s(key) for key, _entries in resp or []}
         open_lanes = {k: v for k, v in last.items() if k not in waiting}
+        # Never empty: the shared lanes are always open (a head there is claimable, so none came back).
         timeout = max(1, min(block_ms, self.deferred_until_ms - now_ms()))
-        resp = await self.r.xread(open_lanes, count=1, block=timeout) if open_lanes else None
-        if not open_lanes:
-            await asyncio.sleep(timeout / 1000)
+        resp = await self.r.xread(open_lanes, count=1, block=timeout)
         return self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
 
     def heads_of(self, entries) -> dict[str, Head]:
