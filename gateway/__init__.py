@@ -10,6 +10,8 @@ Module map (one concept each):
 - `prepare`    auth, body limit, the `slo` extension, SLO, route -> GenerateRequest
 - `errors`     OpenAI error JSON, ApiError, exception handlers (vLLM's errors as vLLM answers them)
 - `relay`      one pub/sub connection, frames to per-request queues
+- `resp`       RESP2 as the relay speaks it
+- `resume`     catching streams up from their frame logs after the relay lost its connection
 - `session`    one request in flight: timeouts, latency, cancel on abandonment
 - `fleetview`  cached set of live worker roles
 - `metrics`    Prometheus metrics

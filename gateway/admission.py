@@ -3,8 +3,9 @@
 The decision itself is `skyline.scheduler.admission.decide` (pure: `admit` with the
 calibration's scale; `demoted`, `learn_ttft`, `pool_rate` and `stage_of` live there too, shared
 with the simulator; the policy's numbers are `SkylineConfig.admission_policy()`). Here: the
-backlog comes from the `skyline:backlog` hash, read in the same transaction
-that reserves this request's tokens (so a burst sees itself), the measured
+backlog comes from the `skyline:backlog` hash, read right after this request's tokens
+were reserved in it (so a burst sees itself; gateway/dispatch.py sends both with the
+cache-view reads, in one round trip), the measured
 prefill throughput from the heartbeats the FleetView caches, and the scale
 for the prediction from this gateway's own measured error (`TtftCalibration`,
 fed by `learn` when an admitted request ends).
@@ -12,15 +13,12 @@ fed by `learn` when an admitted request ends).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
-from skyline.core.keys import Keys
-from skyline.core.streams import release_backlog, reserve_backlog
 from skyline.gateway.errors import ApiError
 from skyline.gateway.fleetview import FleetView
 from skyline.gateway.metrics import GatewayMetrics
@@ -30,20 +28,19 @@ from skyline.scheduler.admission import (
 )
 
 
-async def apply_admission(
-    cfg: SkylineConfig, policy: AdmissionPolicy, r: aioredis.Redis, keys: Keys, fleet: FleetView,
-    prep: Prepared, metrics: GatewayMetrics, calibration: TtftCalibration | None = None,
+def apply_admission(
+    cfg: SkylineConfig, policy: AdmissionPolicy, fleet: FleetView, prep: Prepared, backlog: Mapping[str, int],
+    metrics: GatewayMetrics, calibration: TtftCalibration | None = None,
 ) -> Prepared:
-    """The request as it may be enqueued (possibly demoted), with its prompt reserved
-    in the backlog; or an ApiError (429/503) with nothing reserved."""
+    """The request as it may be enqueued (possibly demoted), decided on `backlog` (tier -> tokens
+    queued in its stage, read while its own prompt was reserved: `skyline.core.streams.queue_reservation`);
+    or an ApiError (429/503). No I/O: the dispatcher releases the reservation of a refused request, and
+    the enqueue moves a demoted one's to its new tier."""
     req = prep.request
     stage, tokens = stage_of(prep.route), prep.prefill_tokens  # what its prefix cache does not hold
-    backlog = await reserve_backlog(r, keys, stage, req.tier, tokens)
     d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
                               pool_rate(fleet.workers, stage), calibration, prep.allow_demotion)
     metrics.admission.labels(req.tier, d.action).inc()
-    if d.action in ("reject", "overloaded"):
-        await release_backlog(r, keys, stage, req.tier, tokens)
     if d.action == "reject":
         raise ApiError(429, f"{d.reason}; retry later or send x-slo-allow-demotion: true to accept a looser tier",
                        type="rate_limit_error", code="slo_unattainable", headers={"Retry-After": str(d.retry_after_s)})
@@ -51,8 +48,6 @@ async def apply_admission(
         raise ApiError(503, f"Skyline is overloaded: {d.reason}", code="overloaded",
                        headers={"Retry-After": str(d.retry_after_s)})
     if d.action == "demote":
-        await release_backlog(r, keys, stage, req.tier, tokens)
-        await reserve_backlog(r, keys, stage, d.tier, tokens)
         slo = demoted(prep.slo, cfg.tier(d.tier))  # the TTFT target relaxes; the TPOT target stays
         req = replace(req, tier=slo.tier, ttft_ms=slo.ttft_ms, priority=slo.priority,
                       deadline_ms=req.arrival_ms + slo.ttft_ms)

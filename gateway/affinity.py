@@ -2,9 +2,10 @@
 
 The policy is scheduler/prefix.py's; this module gathers what it decides on: the
 live workers (the fleet view's heartbeats: role, load, block size) and how many
-leading blocks of the prompt each one's engine holds (the cache view in Redis:
-one round trip for every worker of both stages). Skipped, at no cost, when no
-live worker reports a prefix cache.
+leading blocks of the prompt each one's engine holds (the cache view in Redis,
+read for every worker of both stages in the same round trip as admission
+control's backlog). Skipped, at no cost, when no live worker reports a prefix
+cache or the prompt is shorter than a block.
 
 What it is used for (gateway/dispatch.py):
 - the route: a prompt whose decode worker already holds most of it (the next
@@ -18,8 +19,6 @@ What it is used for (gateway/dispatch.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import redis.asyncio as aioredis
 
 from skyline.core import cache_view
 from skyline.core.fleet import WorkerInfo
@@ -62,18 +61,36 @@ class CacheMatch:
         return min((self.uncached_tokens(h.worker) for h in ready), default=self.prompt_tokens)
 
 
-async def look_up(r: aioredis.Redis, keys: Keys, workers: list[WorkerInfo], req: GenerateRequest,
-                  max_blocks: int) -> CacheMatch | None:
-    """What every live worker's engine holds of the request's prompt (None: no worker reports a cache)."""
+@dataclass(frozen=True)
+class LookUp:
+    """The cache-view reads for one prompt, to be sent in the gateway's one round trip before the
+    enqueue (gateway/dispatch.py puts them on the pipeline that also reserves the backlog)."""
+
+    prompt_tokens: int
+    block_size: int
+    chain: tuple[str, ...]  # the prompt's block hashes (empty: shorter than a block)
+    workers: tuple[WorkerInfo, ...]  # those reporting a cache of `block_size`
+
+    def queue(self, pipe, keys: Keys) -> int:
+        """Put the reads on `pipe`; returns how many replies they take."""
+        return cache_view.queue_match(pipe, keys, [w.worker_id for w in self.workers], self.chain)
+
+    def result(self, replies) -> CacheMatch:
+        ids = [w.worker_id for w in self.workers]
+        return CacheMatch(self.prompt_tokens, self.block_size, cache_view.parse_match(ids, self.chain, replies),
+                          self.workers)
+
+
+def look_up(workers: list[WorkerInfo], req: GenerateRequest, max_blocks: int) -> LookUp | None:
+    """What to read to learn how much of the request's prompt each live worker's engine holds
+    (None: no worker reports a cache, nothing to read)."""
     reporting = [w for w in workers if w.cache_block_size]
     if not reporting:
         return None
     block_size = reporting[0].cache_block_size  # one model, one block size; others are not comparable
     reporting = [w for w in reporting if w.cache_block_size == block_size]
     chain = block_chain(req.prompt_token_ids, block_size, max_blocks, req.cache_salt or "")
-    ids = [w.worker_id for w in reporting]
-    matched = await cache_view.matched(r, keys, ids, chain) if chain else dict.fromkeys(ids, 0)
-    return CacheMatch(len(req.prompt_token_ids), block_size, matched, tuple(reporting))
+    return LookUp(len(req.prompt_token_ids), block_size, tuple(chain), tuple(reporting))
 
 
 def placement(policy: AffinityPolicy, match: CacheMatch | None, stage: str, req: GenerateRequest,

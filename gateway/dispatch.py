@@ -20,8 +20,8 @@ from redis.exceptions import RedisError
 
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
-from skyline.core.keys import Keys
-from skyline.core.streams import enqueue, now_ms, release_backlog
+from skyline.core.keys import STAGES, Keys
+from skyline.core.streams import Reservation, backlog_seen, enqueue, now_ms, queue_reservation, release_backlog
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.gateway.affinity import CacheMatch, PlacedInFlight, look_up, placement
@@ -32,7 +32,7 @@ from skyline.gateway.prepare import Prepared, Serving, needed_roles
 from skyline.gateway.ratelimit import TokenBudgets
 from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
-from skyline.scheduler.admission import TtftCalibration, stage_of
+from skyline.scheduler.admission import TtftCalibration, pool_rate, prefill_is_faster, stage_of
 from skyline.scheduler.disagg import route
 
 
@@ -56,61 +56,94 @@ class Dispatcher:
         self.placed = PlacedInFlight()  # placed requests not ended yet, by worker: load heartbeats lag behind
 
     async def submit(self, prep: Prepared) -> Session:
-        """Check the fleet can serve the request, subscribe to its output, enqueue it."""
-        fleet, r, cfg = self.fleet, self.redis, self.cfg
+        """Check the fleet can serve the request, subscribe to its output, enqueue it.
+
+        Two round trips to Redis after rendering: one that reads the fleet's prefix caches
+        and the backlog while reserving the prompt in it (the subscription to the token
+        channel is confirmed meanwhile, on the relay's connection), one that enqueues it.
+        The request is enqueued only once Redis confirmed the subscription, so no frame can
+        be missed."""
+        fleet, r = self.fleet, self.redis
         if fleet is None or r is None or self.relay is None:
             raise ApiError(503, "the gateway is starting or stopping", code="not_ready")
+        subscribing = asyncio.ensure_future(self._subscribe(prep.request.request_id))
+        reserved: Reservation | None = None
         try:
-            match = await look_up(r, self.keys, fleet.workers, prep.request, cfg.gateway.affinity_max_blocks)
-        except (RedisError, OSError) as exc:
+            match, backlog, reserved = await self._read_fleet(prep)
+            prep = await self._decide(prep, match, backlog, reserved)
+            return await self._enqueue(prep, await subscribing, reserved)
+        except BaseException:
+            self._drop_subscription(subscribing)
+            self.placed.done(prep.request.request_id)  # refused: it loads nobody
+            if reserved is not None:  # admission control's reservation is void
+                with contextlib.suppress(RedisError, OSError):
+                    await release_backlog(r, self.keys, reserved.stage, reserved.tier, reserved.tokens)
+            raise
+
+    async def _read_fleet(self, prep: Prepared) -> tuple[CacheMatch | None, dict | None, Reservation | None]:
+        """One round trip: what the workers' engines hold of the prompt (None: no worker reports a
+        prefix cache), and, with admission control on, the backlog as read right after the prompt
+        was reserved in it (the stage of the route its length gives; `_decide` may move it)."""
+        fleet, r, cfg = self.fleet, self.redis, self.cfg
+        assert fleet is not None and r is not None
+        req = prep.request
+        look = look_up(fleet.workers, req, cfg.gateway.affinity_max_blocks)
+        reserving = Reservation(stage_of(prep.route), req.tier, len(req.prompt_token_ids)) \
+            if cfg.gateway.admission else None
+        pipe = r.pipeline(transaction=False)
+        n_look = look.queue(pipe, self.keys) if look is not None else 0
+        if reserving is not None:
+            queue_reservation(pipe, self.keys, reserving)
+        try:
+            replies = await pipe.execute() if len(pipe) else []
+        except (RedisError, OSError) as exc:  # whether the reservation was made is unknown: never released
             raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
-        if not prep.route_fixed and prep.route == "disagg":
-            # Queue depth and the decode pool's prefix caches are part of the route decision: a prompt
-            # whose decode worker holds most of it has only its new tokens to compute, and skips the
-            # prefill pool as a short prompt does.
-            left = match.best_uncached("decode") if match else len(prep.request.prompt_token_ids)
-            path = route(self.serving.policy, left, fleet.prefill_backlog_tokens)
+        match = look.result(replies[:n_look]) if look is not None else None
+        return match, (replies[-1] if reserving is not None else None), reserving
+
+    async def _decide(self, prep: Prepared, match: CacheMatch | None, backlog: dict | None,
+                      reserved: Reservation | None) -> Prepared:
+        """The request as it will be enqueued: its route, placement and admission (an ApiError when the
+        fleet cannot take it)."""
+        fleet, cfg = self.fleet, self.cfg
+        assert fleet is not None
+        if not prep.route_fixed:
+            path = self._route(prep, match, backlog, reserved)
             if path != prep.route:
                 prep = replace(prep, route=path, request=replace(prep.request, route=path))
         prep = self._placed(prep, match)
-        try:
-            return await self._admit_and_enqueue(prep)
-        except BaseException:
-            self.placed.done(prep.request.request_id)  # refused: it loads nobody
-            raise
-
-    async def _admit_and_enqueue(self, prep: Prepared) -> Session:
-        fleet, r, cfg = self.fleet, self.redis, self.cfg
-        assert fleet is not None and r is not None
         missing = await fleet.missing(needed_roles(prep.route))
         if fleet.error:
             raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")
         if missing:
             hint = " and ".join(f"`{START_HINT[role]}`" for role in missing)
             raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
-                                f"start one with {hint}", code="no_workers",
-                           headers={"Retry-After": "1"})
-        # Subscribe while admission control decides: the two round trips overlap. The request is
-        # enqueued only once Redis confirmed the subscription, so no frame can be missed.
-        subscribing = asyncio.ensure_future(self._subscribe(prep.request.request_id))
-        try:
-            if cfg.gateway.admission:
-                try:
-                    prep = await apply_admission(cfg, self.admission_policy, r, self.keys, fleet, prep, self.metrics,
-                                                 self.calibration)
-                except (RedisError, OSError) as exc:
-                    raise ApiError(503, f"the gateway cannot reach Redis ({exc})", code="redis_unavailable") from None
-        except BaseException:
-            self._drop_subscription(subscribing)
-            raise
-        try:
-            return await self._enqueue(prep, await subscribing)
-        except Exception:  # an ApiError, or a message that does not encode (an internal error)
-            if cfg.gateway.admission:  # the reservation made by admission control is void
-                with contextlib.suppress(RedisError, OSError):
-                    await release_backlog(r, self.keys, stage_of(prep.route), prep.request.tier,
-                                          prep.prefill_tokens)
-            raise
+                                f"start one with {hint}", code="no_workers", headers={"Retry-After": "1"})
+        if backlog is not None:
+            seen = backlog_seen(backlog, stage_of(prep.route), reserved)
+            prep = apply_admission(cfg, self.admission_policy, fleet, prep, seen, self.metrics, self.calibration)
+        return prep
+
+    def _route(self, prep: Prepared, match: CacheMatch | None, backlog: dict | None,
+               reserved: Reservation | None) -> str:
+        """The route (scheduler/disagg.py), decided on what each stage has left to compute and queued.
+        The prefix caches count: a prompt whose decode worker holds most of it has only its new tokens
+        to compute, and skips the prefill pool as a short prompt does. So do the queues (with admission
+        control on, the backlog was read for it): a short prompt goes to the prefill pool when the
+        decode workers have prompts queued ahead of it and the prefill pool is predicted faster."""
+        fleet, cfg = self.fleet, self.cfg
+        assert fleet is not None
+        n = len(prep.request.prompt_token_ids)
+        left = match.best_uncached("decode") if match else n
+        faster = None
+        if backlog is not None and fleet.roles.get("prefill"):
+            def faster() -> bool:
+                seen = {stage: backlog_seen(backlog, stage, reserved) for stage in STAGES}
+                rates = {stage: pool_rate(fleet.workers, stage) for stage in STAGES}
+                return prefill_is_faster(self.admission_policy, cfg.tiers, prep.request.tier,
+                                         match.best_uncached("prefill") if match else n, left, seen, rates,
+                                         self.calibration)
+        return route(self.serving.policy, left, fleet.prefill_backlog_tokens, faster)
 
     async def _subscribe(self, request_id: str) -> Subscription:
         assert self.relay is not None
@@ -138,7 +171,7 @@ class Dispatcher:
         worker = placed.worker if placed else holders[0].worker if len(holders) == 1 else None
         return replace(prep, placement=placed, uncached_tokens=match.uncached_tokens(worker))
 
-    async def _enqueue(self, prep: Prepared, sub: Subscription) -> Session:
+    async def _enqueue(self, prep: Prepared, sub: Subscription, reserved: Reservation | None) -> Session:
         relay, r = self.relay, self.redis
         assert relay is not None and r is not None
         session = Session(prep, sub, relay, r, self.keys, self.cfg.gateway, self.metrics, self.background)
@@ -154,9 +187,8 @@ class Dispatcher:
             session.on_close.append(lambda *_: self.placed.done(prep.request.request_id))
         try:
             session.t_enqueue_ms = now_ms()  # before the XADD: no worker's claim can look earlier
-            await enqueue(r, self.keys, stage, msg, self.cfg.redis.stream_maxlen,
-                          backlog_reserved=self.cfg.gateway.admission, placement=prep.placement,
-                          prefill_tokens=prep.prefill_tokens)
+            await enqueue(r, self.keys, stage, msg, self.cfg.redis.stream_maxlen, reserved=reserved,
+                          placement=prep.placement, prefill_tokens=prep.prefill_tokens)
             session.t_enqueued = time.perf_counter()
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel

@@ -12,10 +12,17 @@ Guarantees the rest of the gateway relies on:
 - Frames are decoded here (`skyline.core.messages.decode`); a TokenDelta/Finished
   whose `seq` is not newer than the last one seen is a duplicate (a worker
   re-published after a reclaim) and is dropped. Failed frames always pass.
-- If the connection breaks, every in-flight request receives a Failed frame
-  (502) at once: the frames published meanwhile are lost, and silence would
-  leave clients hanging. The reader then reconnects with backoff; while it is
-  down `subscribe()` raises `RelayUnavailable` (the gateway answers 503).
+- If the connection breaks, in-flight requests are kept for up to
+  `redis.outage_grace_s` while the reader reconnects: once Redis confirmed
+  their subscriptions again, each is caught up from its frame log, from the
+  frame after the last one it delivered (gateway/resume.py), so a Redis
+  restart with persistence, or a dropped connection, costs its clients a
+  pause and nothing else. A request Redis lost the state of (no persistence),
+  or one still waiting when the grace is over, receives a Failed frame (502,
+  `redis_state_lost` / `relay_disconnected`): silence would leave it hanging.
+  With a grace of 0 every in-flight request fails at once. While the
+  connection is down `subscribe()` raises `RelayUnavailable` (the gateway
+  answers 503).
 
 The client speaks RESP2 itself, on a plain asyncio stream, rather than through
 redis-py: redis-py's pub/sub silently reconnects and re-subscribes (losing
@@ -30,10 +37,13 @@ import logging
 import os
 import time
 
-from skyline.core import messages
+from redis.exceptions import RedisError
+
+from skyline.core import messages, redisconn
 from skyline.core.config import RedisConfig
 from skyline.core.keys import Keys
 from skyline.core.redisconn import Endpoint, describe, pubsub_endpoints
+from skyline.gateway import resp, resume
 
 log = logging.getLogger("skyline.gateway.relay")
 
@@ -47,10 +57,12 @@ class Subscription:
 
     `aborted` is set when the gateway itself ended the request (lost
     connection, client too slow to read): the workers do not know yet, so the
-    caller should cancel the request.
+    caller should cancel the request. `held` is not None while the relay is
+    reconnecting: frames that arrive then wait there until the frames logged
+    meanwhile have been delivered (`resume`).
     """
 
-    __slots__ = ("aborted", "channel", "done", "duplicates", "last_seq", "queue", "request_id")
+    __slots__ = ("aborted", "channel", "done", "duplicates", "held", "last_seq", "queue", "request_id")
 
     def __init__(self, request_id: str, channel: bytes, maxsize: int):
         self.request_id = request_id
@@ -60,6 +72,7 @@ class Subscription:
         self.done = False  # a terminal frame (Finished/Failed) was queued; ignore the rest
         self.aborted = False
         self.duplicates = 0
+        self.held: list[messages.Message] | None = None
 
     async def get(self) -> messages.Message:
         return await self.queue.get()
@@ -73,6 +86,13 @@ class Subscription:
     def offer(self, frame: messages.Message) -> None:
         """Queue a frame from the wire (called by the reader task only)."""
         if self.done:
+            return
+        if self.held is not None:
+            if len(self.held) >= self.queue.maxsize:
+                self.fail(502, "too many frames arrived while the gateway caught this request up after "
+                               "losing Redis; request aborted", "relay_disconnected")
+                return
+            self.held.append(frame)
             return
         if not isinstance(frame, messages.Failed):
             seq = getattr(frame, "seq", None)
@@ -91,14 +111,31 @@ class Subscription:
             # Dropping frames would corrupt the output; end the request instead.
             self.fail(503, "the client did not read the output fast enough; request aborted", "client_too_slow")
 
+    def hold(self) -> None:
+        """The connection is lost: hold live frames until the request has been caught up."""
+        if self.held is None and not self.done:
+            self.held = []
+
+    def resume(self, logged: list[messages.Message]) -> None:
+        """Deliver the frames logged while the connection was down, then those held back, in
+        frame order; what was delivered already, or is both logged and held, is dropped by seq."""
+        held, self.held = self.held or [], None
+        for frame in sorted([*logged, *held], key=_frame_order):
+            self.offer(frame)
+
     def fail(self, status: int, message: str, code: str) -> None:
         """End the request from the gateway side: replace whatever is queued by one Failed frame."""
+        self.held = None
         if self.done and self.aborted:
             return
         while not self.queue.empty():
             self.queue.get_nowait()
         self.done = self.aborted = True
         self.queue.put_nowait(messages.Failed(self.request_id, 1 << 30, status, message, "server_error", code))
+
+
+def _frame_order(frame: messages.Message) -> int:
+    return getattr(frame, "seq", 1 << 30)  # a worker's Failed outside the publish script has seq 2**30
 
 
 class Relay:
@@ -112,9 +149,12 @@ class Relay:
         queue_size: int = 4096,
         confirm_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
+        resume_s: float | None = None,
     ):
         # A Redis URL or the whole RedisConfig (credentials, TLS files, cluster or Sentinel).
         self.redis_cfg = redis if isinstance(redis, RedisConfig) else RedisConfig(url=redis)
+        # How long in-flight requests wait for a lost connection to come back (None: the config's).
+        self.resume_s = self.redis_cfg.outage_grace_s if resume_s is None else resume_s
         self.url = describe(self.redis_cfg)  # for messages: no password
         self.keys = keys
         self.queue_size = queue_size
@@ -130,11 +170,19 @@ class Relay:
         self._last_rx = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        # Resuming after a lost connection: a plain client reads the frame logs and the epoch
+        # (the pub/sub connection cannot run other commands once it subscribes).
+        self._r = None
+        self._epoch: bytes | None = None  # keys.epoch as read at the last connect
+        self._resume_task: asyncio.Task | None = None
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._lost_reason = ""
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start the reader; return once connected (raises RelayUnavailable otherwise)."""
+        self._r = redisconn.connect(self.redis_cfg)
         self._tasks = [asyncio.create_task(self._run(), name="relay-reader"),
                        asyncio.create_task(self._watchdog(), name="relay-watchdog")]
         try:
@@ -150,6 +198,9 @@ class Relay:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._drop_connection("the gateway is shutting down", status=503)
+        self._end_grace()
+        if self._r is not None:
+            await self._r.aclose()
 
     @property
     def connected(self) -> bool:
@@ -208,7 +259,7 @@ class Relay:
         writer = self._writer
         if writer is None or writer.is_closing():
             raise RelayUnavailable("the gateway's Redis pub/sub connection is down")
-        writer.write(_pack(parts))
+        writer.write(resp.pack(parts))
         # No drain(): commands are tiny, and the reader keeps the socket flowing;
         # transport buffering is bounded by the number of in-flight requests.
 
@@ -219,6 +270,7 @@ class Relay:
             try:
                 reader = await self._connect()
                 backoff = 0.05
+                self._resume_task = asyncio.create_task(self._resume(), name="relay-resume")
                 await self._read_loop(reader)
             except asyncio.CancelledError:
                 raise
@@ -229,7 +281,8 @@ class Relay:
                 return
             log.warning("token relay lost Redis (%s); reconnecting", reason)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            # Streams wait while requests are held: try often; else back off further.
+            backoff = min(backoff * 2, 0.5 if self._grace_timer is not None else 2.0)
 
     async def _connect(self) -> asyncio.StreamReader:
         """Connect to the first endpoint that answers: the server, the master Sentinel reports
@@ -257,11 +310,11 @@ class Relay:
                          else (b"AUTH", ep.password.encode()))
         hello.append((b"CLIENT", b"SETNAME", self.client_name.encode()))
         for cmd in hello:
-            writer.write(_pack(cmd))
+            writer.write(resp.pack(cmd))
         buf = bytearray()
         for cmd in hello:
-            reply = await _read_one(reader, buf)
-            if isinstance(reply, RespError):
+            reply = await resp.read_one(reader, buf)
+            if isinstance(reply, resp.RespError):
                 writer.close()
                 raise ConnectionError(f"{cmd[0].decode()} failed: {reply}")
         self._writer = writer
@@ -276,7 +329,7 @@ class Relay:
         while True:
             pos = 0
             while True:
-                parsed = _parse(buf, pos)
+                parsed = resp.parse(buf, pos)
                 if parsed is None:
                     break
                 item, pos = parsed
@@ -306,7 +359,7 @@ class Relay:
                 if fut is not None and not fut.done():
                     fut.set_result(None)
             # unsubscribe confirmations and pongs need nothing
-        elif isinstance(item, RespError):
+        elif isinstance(item, resp.RespError):
             log.error("Redis refused a relay command: %s", item)
             self._fail_confirms(RelayUnavailable(f"Redis refused SUBSCRIBE: {item}"))
 
@@ -317,24 +370,129 @@ class Relay:
                 fut.set_exception(exc)
 
     def _drop_connection(self, reason: str, status: int = 502) -> None:
-        """Close the connection and fail every in-flight request: their frames are lost."""
+        """Close the connection. In-flight requests are held for the grace (`_resume` catches
+        them up once the connection is back); without one, or when closing, they fail now."""
         self._connected.clear()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._resume_task is not None:
+            self._resume_task.cancel()
+            self._resume_task = None
         self._fail_confirms(RelayUnavailable(f"token relay lost Redis: {reason}"))
-        subs, self._subs = self._subs, {}
         self._unsub_pending = []
+        if self._closing or self.resume_s <= 0:
+            self._fail_all(status, f"the gateway lost its Redis pub/sub connection ({reason}); "
+                                   "this request's output could not be delivered", reason)
+            return
+        for sub in self._subs.values():
+            sub.hold()
+        if self._grace_timer is None and self._subs:
+            self._lost_reason = reason
+            self._grace_timer = asyncio.get_running_loop().call_later(self.resume_s, self._grace_over)
+            log.warning("token relay lost Redis (%s); holding %d in-flight request(s) for up to %g s",
+                        reason, len(self._subs), self.resume_s)
+
+    def _fail_all(self, status: int, message: str, reason: str) -> None:
+        """Fail every in-flight request; their subscriptions went with the connection."""
+        subs, self._subs = self._subs, {}
         for sub in subs.values():
-            sub.fail(status, f"the gateway lost its Redis pub/sub connection ({reason}); "
-                             "this request's output could not be delivered", "relay_disconnected")
+            sub.fail(status, message, "relay_disconnected")
         if subs:
             log.log(logging.ERROR if status == 502 else logging.WARNING,
                     "token relay: failed %d in-flight request(s): %s", len(subs), reason)
 
+    def _grace_over(self) -> None:
+        """The connection did not come back (or the catch-up did not complete) in time. The failed
+        requests stay in `_subs` until their sessions unsubscribe: a catch-up in progress may
+        have subscribed them again, and the session's unsubscribe is what undoes that."""
+        self._grace_timer = None
+        held = [s for s in self._subs.values() if s.held is not None]
+        for sub in held:
+            sub.fail(502, f"the gateway lost its Redis pub/sub connection ({self._lost_reason}) and it was not "
+                          f"back within {self.resume_s:g} s; this request's output could not be delivered",
+                     "relay_disconnected")
+        if held:
+            log.error("token relay: failed %d in-flight request(s): not reconnected within %g s",
+                      len(held), self.resume_s)
+
+    def _end_grace(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+
+    async def _resume(self) -> None:
+        """After (re)connecting: read the epoch, re-subscribe the held requests, catch each up
+        from its frame log (gateway/resume.py). Cancelled if the connection drops again; the
+        held requests then wait for the next connection, within the same grace."""
+        try:
+            kept, self._epoch = await self._retrying(lambda: resume.check_epoch(self._r, self.keys, self._epoch))
+            held = [s for s in self._subs.values() if s.held is not None]
+            if not held:
+                self._end_grace()
+                return
+            if kept is False:
+                self._fail_lost(held, resume.DATA_LOST)  # queued ones too: their entries are gone
+                self._end_grace()
+                return
+            loop = asyncio.get_running_loop()
+            confirms = []
+            for sub in held:
+                fut: asyncio.Future[None] = loop.create_future()
+                self._confirms[sub.channel] = fut
+                confirms.append(fut)
+            for i in range(0, len(held), 512):  # one confirmation per channel comes back
+                self._send(b"SUBSCRIBE", *(s.channel for s in held[i:i + 512]))
+            async with asyncio.timeout(self.confirm_timeout_s):
+                await asyncio.gather(*confirms)
+            held = [s for s in held if s.held is not None and self._subs.get(s.channel) is s]  # still wanted
+            states = await self._retrying(
+                lambda: resume.read_logged(self._r, self.keys, [(s.request_id, s.last_seq) for s in held]))
+            lost = 0
+            for sub, state in zip(held, states):
+                why = resume.verdict(sub.last_seq, kept, state)
+                if why is not None:
+                    self._fail_lost([sub], why)
+                    lost += 1
+                else:
+                    sub.resume(_decode_all(state.frames, sub.channel))
+            self._end_grace()
+            log.info("token relay: resumed %d in-flight request(s) after reconnecting%s", len(held) - lost,
+                     f"; {lost} had lost their state" if lost else "")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, a new connection starts over
+            if isinstance(exc, (RelayUnavailable, TimeoutError, OSError)):  # not confirmed in time, or gone
+                log.warning("token relay: resuming failed (%s); reconnecting", exc)
+            else:
+                log.exception("token relay: resuming failed; reconnecting")
+            if self._writer is not None:
+                self._writer.transport.abort()
+
+    def _fail_lost(self, subs: list[Subscription], why: str) -> None:
+        """Requests whose state Redis lost (they stay in `_subs` until their sessions unsubscribe)."""
+        for sub in subs:
+            sub.fail(502, f"{why}: this request's output cannot be completed; retry the request",
+                     resume.STATE_LOST)
+        log.error("token relay: %d in-flight request(s) lost their state in Redis: %s", len(subs), why)
+
+    async def _retrying(self, call):
+        """A read on the plain client, retried while Redis does not answer it yet (e.g. LOADING its
+        AOF: the pub/sub connection may be back before the data). Ends when it succeeds or the
+        connection drops again (the task is cancelled); held requests are bounded by the grace."""
+        pause = 0.05
+        while True:
+            try:
+                return await call()
+            except (RedisError, OSError) as exc:
+                if pause == 0.05:
+                    log.warning("token relay: Redis does not answer reads yet (%s); retrying", exc)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
     async def _watchdog(self) -> None:
         """PING periodically; a connection silent for 3 periods is dead (e.g. the host vanished
-        without closing TCP) and is closed, which makes the reader fail in-flight requests."""
+        without closing TCP) and is closed: the reader holds in-flight requests and reconnects."""
         while True:
             await asyncio.sleep(self.ping_interval_s)
             if not self._connected.is_set() or self._writer is None:
@@ -349,62 +507,11 @@ class Relay:
                 pass
 
 
-# ---- RESP2 ---------------------------------------------------------------------------
-
-
-class RespError(str):
-    """An error reply (-ERR ...)."""
-
-
-def _pack(parts: tuple[bytes, ...]) -> bytes:
-    out = [b"*%d\r\n" % len(parts)]
-    for p in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(p), p))
-    return b"".join(out)
-
-
-def _parse(buf: bytearray, pos: int) -> tuple[object, int] | None:
-    """One RESP2 value from `buf` at `pos`: (value, next position), or None if incomplete."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        return None
-    kind = buf[pos]
-    line = bytes(buf[pos + 1:end])
-    nxt = end + 2
-    if kind == 36:  # $ bulk string
-        n = int(line)
-        if n < 0:
-            return None, nxt
-        if len(buf) < nxt + n + 2:
-            return None
-        return bytes(buf[nxt:nxt + n]), nxt + n + 2
-    if kind == 42:  # * array
-        n = int(line)
-        items = []
-        for _ in range(max(n, 0)):
-            parsed = _parse(buf, nxt)
-            if parsed is None:
-                return None
-            value, nxt = parsed
-            items.append(value)
-        return items, nxt
-    if kind == 58:  # : integer
-        return int(line), nxt
-    if kind == 43:  # + simple string
-        return line, nxt
-    if kind == 45:  # - error
-        return RespError(line.decode(errors="replace")), nxt
-    raise ConnectionError(f"unexpected RESP type byte {kind!r}")
-
-
-async def _read_one(reader: asyncio.StreamReader, buf: bytearray) -> object:
-    while True:
-        parsed = _parse(buf, 0)
-        if parsed is not None:
-            item, pos = parsed
-            del buf[:pos]
-            return item
-        data = await asyncio.wait_for(reader.read(1 << 16), timeout=5.0)
-        if not data:
-            raise ConnectionError("Redis closed the connection during the handshake")
-        buf += data
+def _decode_all(payloads: list[bytes], channel: bytes) -> list[messages.Message]:
+    frames = []
+    for payload in payloads:
+        try:
+            frames.append(messages.decode(payload))
+        except messages.CodecError as exc:
+            log.warning("undecodable logged frame of %s: %s", channel, exc)
+    return frames

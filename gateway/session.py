@@ -216,8 +216,17 @@ class Session:
         if not self.finished:
             self.cancel("client_disconnected" if status == 499 else "gateway_abort")
         self.relay.unsubscribe(self.sub)
+        self.metrics.in_flight.dec()
+        # What the request's end records (metrics, timeline, SLO record, calibration, budgets) runs
+        # after the response's last bytes are written: a stream's last chunk waits for the end of its
+        # generator, and these cost more than the rest of the gateway's part of a short request.
+        try:
+            asyncio.get_running_loop().call_soon(self._record, status, fin)
+        except RuntimeError:  # no event loop (a unit test closing a session by hand)
+            self._record(status, fin)
+
+    def _record(self, status: int, fin: messages.Finished | None) -> None:
         m = self.metrics
-        m.in_flight.dec()
         m.count(self.prep.slo.tier, self.prep.route, status)
         if fin is not None:
             ttft, tpot, met = self.latency(fin)

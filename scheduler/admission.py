@@ -215,6 +215,31 @@ def decide(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms:
     return d, (d.predicted_ttft_ms / scale if d.action == "admit" else None)
 
 
+def prefill_is_faster(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prefill_tokens: int,
+                      decode_tokens: int, backlog: Mapping[str, Mapping[str, int]],
+                      rates: Mapping[str, float | None], calibration: TtftCalibration | None = None) -> bool:
+    """Would a short prompt's first token come sooner from the prefill pool than from the decode
+    worker (scheduler/disagg.py `route`)? Admission's own model on each stage: the tokens of this tier
+    and stricter queued ahead in it (`backlog`: stage -> tier -> tokens) plus its own (`prefill_tokens`
+    / `decode_tokens`: what each stage's prefix caches leave to compute) over the stage's pool rate, plus
+    the first-token overhead, scaled by the stage's calibration. Nothing queued ahead on the decode
+    worker: False (computing it there moves no KV, and nothing waits)."""
+    names = _tiers_ahead(tiers, tier)
+    queued_d, queued_p = backlog.get("decode", {}), backlog.get("prefill", {})
+    ahead_d = sum(queued_d.get(n, 0) for n in names)
+    if ahead_d == 0:
+        return False
+    ahead_p = sum(queued_p.get(n, 0) for n in names)
+    scales = calibration._scale if calibration is not None else {}
+    prior = policy.prior_prefill_tokens_per_s
+
+    def predicted(stage: str, ahead: int, tokens: int) -> float:
+        rate = rates.get(stage) or prior
+        return ((ahead + tokens) * 1000.0 / rate + policy.first_token_overhead_ms) * scales.get((stage, tier), 1.0)
+
+    return predicted("prefill", ahead_p, prefill_tokens) < predicted("decode", ahead_d, decode_tokens)
+
+
 def demoted(slo: Slo, tier: Tier) -> Slo:
     """The SLO of a request demoted to `tier`: its TTFT target and priority; the TPOT target stays
     what was asked (demotion relaxes the first token only)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -11,7 +12,11 @@ class DisaggPolicy:
 
     In disagg mode a prompt is prefilled by the decode worker itself when it
     is shorter than `min_remote_prefill_tokens` (moving its KV costs more than
-    it saves), or when the prefill pool's backlog exceeds
+    it saves), unless that worker has prompts queued ahead of it and the
+    prefill pool would give the first token sooner (admission control's model,
+    `scheduler.admission.prefill_is_faster`): short prompts alone must not
+    queue on the decode workers while the prefill pool idles. A longer prompt
+    is prefilled by the decode worker when the prefill pool's backlog exceeds
     `max_prefill_backlog_tokens` (0 = no limit): waiting behind it would cost
     more than computing the prompt next to the decode (Dynamo's rule of thumb).
     """
@@ -21,10 +26,14 @@ class DisaggPolicy:
     max_prefill_backlog_tokens: int = 0
 
 
-def route(policy: DisaggPolicy, prompt_tokens: int, prefill_backlog_tokens: int = 0) -> str:
-    """The path of one request: "disagg" or "colocated"."""
-    if policy.mode == "colocated" or prompt_tokens < policy.min_remote_prefill_tokens:
+def route(policy: DisaggPolicy, prompt_tokens: int, prefill_backlog_tokens: int = 0,
+          prefill_faster: Callable[[], bool] | None = None) -> str:
+    """The path of one request: "disagg" or "colocated". `prefill_faster`: asked only for a prompt
+    short enough for the decode worker; True sends it to the prefill pool instead."""
+    if policy.mode == "colocated":
         return "colocated"
+    if prompt_tokens < policy.min_remote_prefill_tokens:
+        return "disagg" if prefill_faster is not None and prefill_faster() else "colocated"
     if policy.max_prefill_backlog_tokens and prefill_backlog_tokens > policy.max_prefill_backlog_tokens:
         return "colocated"
     return "disagg"

@@ -15,6 +15,29 @@ from pathlib import Path
 from skyline.core.net import free_port
 
 
+class RestartableRedis:
+    """A redis-server of its own (the session one must not be restarted under other tests), stopped
+    and started again on the same port and data directory: with persistence "aof" it reloads its
+    append-only file, with "none" it comes back empty."""
+
+    def __init__(self, data_dir: Path, persistence: str):
+        from skyline.tools.redis_server import start_redis
+
+        self._start = start_redis
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.persistence = persistence
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = start_redis(self.port, data_dir, persistence)
+
+    def stop(self) -> None:
+        self.proc.terminate()  # SIGTERM: with AOF on, Redis flushes it before exiting
+        self.proc.wait(timeout=10)
+
+    def start(self) -> None:
+        self.proc = self._start(self.port, self.data_dir, self.persistence)
+
+
 class Fleet:
     """Gateway and workers as `python -m skyline.cli ...` processes against one Redis.
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -27,6 +29,8 @@ def _req(**kw):
 )
 def test_round_trip_preserves_every_field(msg):
     assert m.decode(m.encode(msg)) == msg
+    # The encoder's shallow walk writes what dataclasses.asdict would (nested messages as maps).
+    assert msgpack.unpackb(m.encode(msg)) == [msg.TAG, dataclasses.asdict(msg)]
 
 
 def test_nested_types_are_rebuilt():

@@ -54,6 +54,8 @@ def test_keys_used_together_share_a_slot():
     decode_slot = key_slot(keys.stream("decode", "standard").encode())
     if hasattr(keys, "run"):  # Lua scripts touch a request's run state with the decode stream
         assert key_slot(keys.run("r1").encode()) == key_slot(keys.output("r1").encode()) == decode_slot
+        # ... and its frame log, read back by the relay after a lost connection with the epoch.
+        assert key_slot(keys.frames("r1").encode()) == key_slot(keys.epoch.encode()) == decode_slot
     # The two stages are different shards' business (not required, but what spreads the load).
     assert key_slot(keys.stream("prefill", "standard").encode()) != decode_slot
 

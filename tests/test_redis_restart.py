@@ -1,7 +1,9 @@
 """Redis goes away and comes back: fast 503s while it is down, a working fleet after.
 
-Each test runs its own redis-server (the session one must not be restarted
-under other tests), with and without persistence.
+Redis stays away longer than the fleet's grace (`redis.outage_grace_s`) here, so the
+stream in flight ends with an explicit error; tests/test_redis_resume.py restarts it
+within the grace. Each test runs its own redis-server (the session one must not be
+restarted under other tests), with and without persistence.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ import time
 import openai
 import pytest
 
-from skyline.tools.redis_server import start_redis
-
-from skyline.core.net import free_port
-from tests.fleet import Fleet
+from tests.fleet import Fleet, RestartableRedis
 
 pytestmark = pytest.mark.faults
 
 MODEL = "skyline-sim"
 CONFIG = """
+[redis]
+outage_grace_s = 1.0
+
 [engine]
 sim_decode_base_s = 0.05
 sim_decode_per_seq_s = 0.0
@@ -28,22 +30,6 @@ sim_decode_per_seq_s = 0.0
 [worker]
 heartbeat_s = 0.25
 """
-
-
-class RestartableRedis:
-    def __init__(self, data_dir, persistence: str):
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.persistence = persistence
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = start_redis(self.port, data_dir, persistence)
-
-    def stop(self) -> None:
-        self.proc.terminate()  # SIGTERM: with AOF on, Redis flushes it before exiting
-        self.proc.wait(timeout=10)
-
-    def start(self) -> None:
-        self.proc = start_redis(self.port, self.data_dir, self.persistence)
 
 
 @pytest.fixture(params=["none", "aof"])
@@ -78,7 +64,8 @@ def test_redis_restart(redis_srv, tmp_path):
         client = fleet.client(timeout_s=30)
         assert len(ask(client)) == 8
 
-        # A stream in flight when Redis dies ends with an explicit error, not silence.
+        # A stream in flight when Redis dies for longer than the grace ends with an explicit
+        # error, not silence.
         errors: list[Exception] = []
 
         def long_stream() -> None:

@@ -29,10 +29,10 @@ import pytest
 
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
-from skyline.core.keys import Keys
 from skyline.core.streams import Claimed
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
+from skyline.scheduler.admission import prefill_is_faster, stage_of
 from skyline.scheduler.disagg import route
 from skyline.scheduler.edf import pick_tier
 from skyline.tools.simulate import decode_worker as sim_decode
@@ -427,47 +427,6 @@ def test_a_decode_only_step_ends_a_run_of_held_steps_as_in_the_live_hook(monkeyp
 # -- the gateway: admission, demotion, the calibration hook --------------------------------------------------
 
 
-class _FakeRedis:
-    """The backlog hash, as `reserve_backlog` and `release_backlog` use it (they never wait here)."""
-
-    def __init__(self):
-        self.hash: dict[str, int] = {}
-
-    def pipeline(self, transaction=True):
-        ops, r = [], self
-
-        class Pipe:
-            def hincrby(self, _key, name, n):
-                ops.append(("incr", name, n))
-
-            def hgetall(self, _key):
-                ops.append(("all",))
-
-            async def execute(self):
-                out = []
-                for op in ops:
-                    if op[0] == "incr":
-                        r.hash[op[1]] = r.hash.get(op[1], 0) + op[2]
-                        out.append(r.hash[op[1]])
-                    else:
-                        out.append(dict(r.hash))
-                return out
-
-        return Pipe()
-
-    async def hincrby(self, _key, name, n):
-        self.hash[name] = self.hash.get(name, 0) + n
-
-
-def _run(coro):
-    """Run a coroutine that never waits (the fakes answer at once) without an event loop."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    raise AssertionError("the live admission code waited on something")
-
-
 @dataclass
 class _Prep:
     """The fields of a prepared request that admission reads and returns."""
@@ -491,7 +450,7 @@ def test_the_simulated_gateway_admits_demotes_and_learns_as_the_live_one(demotio
     cfg = replace(cfg, gateway=replace(cfg.gateway, first_token_overhead_ms=20.0, max_queued_tokens=30_000))
     sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 3_000.0, max_step_tokens=512),
                      HandModel("d", 3_000.0, max_step_tokens=512, step_s=0.01), allow_demotion=demotion)
-    live_cal, redis, keys, preps = type(sim.calibration)(), _FakeRedis(), Keys("skyline"), {}
+    live_cal, preps = type(sim.calibration)(), {}
     metrics = SimpleNamespace(admission=SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None)))
     policy = sim.admission
     outcomes = Counter()
@@ -500,14 +459,16 @@ def test_the_simulated_gateway_admits_demotes_and_learns_as_the_live_one(demotio
     def arrive(req):
         now_ms = int(sim.loop.now * 1000)
         slo = replace(sim._slo(req), arrival_ms=now_ms)
-        path = route(sim.disagg, req.prompt_tokens, sim.seen_prefill_backlog)
-        redis.hash = {f"{stage}:{t}": n for stage, q in (("prefill", sim.prefill_q), ("decode", sim.decode_q))
-                      for t, n in q.backlog.items()}
+        backlogs = {"prefill": dict(sim.prefill_q.backlog), "decode": dict(sim.decode_q.backlog)}
+        path = route(sim.disagg, req.prompt_tokens, sim.seen_prefill_backlog,
+                     lambda: prefill_is_faster(policy, cfg.tiers, slo.tier, req.prompt_tokens, req.prompt_tokens,
+                                               backlogs, sim.seen_rate, live_cal))
+        backlog = dict((sim.prefill_q if stage_of(path) == "prefill" else sim.decode_q).backlog)
         gen = messages.GenerateRequest(_rid(req), "m", [1] * req.prompt_tokens, messages.SamplingSpec(max_tokens=1),
                                        slo.tier, now_ms, slo.deadline_ms, slo.ttft_ms, slo.tpot_ms, slo.priority, path)
         try:
-            prep = _run(apply_admission(cfg, policy, redis, keys, SimpleNamespace(workers=sim._view.workers),
-                                        _Prep(gen, slo, path, allow_demotion=demotion), metrics, live_cal))
+            prep = apply_admission(cfg, policy, SimpleNamespace(workers=sim._view.workers),
+                                   _Prep(gen, slo, path, allow_demotion=demotion), backlog, metrics, live_cal)
             live = ("demote" if prep.admission == "demote" else "admit", prep.request.tier, prep.request.priority,
                     prep.request.deadline_ms - now_ms, prep.request.tpot_ms, prep.model_ttft_ms)
             preps[_rid(req)] = prep

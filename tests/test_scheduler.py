@@ -1,5 +1,6 @@
 import pytest
 
+from skyline.scheduler.admission import AdmissionPolicy, TtftCalibration, prefill_is_faster
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.tiers import DEFAULT_TIERS, SloError, TierNotAllowed, allowed_tiers, resolve_slo, tier_for_ttft
@@ -55,6 +56,40 @@ def test_a_deep_prefill_backlog_sends_prompts_to_the_decode_pool():
     assert route(policy, 500, prefill_backlog_tokens=10_000) == "disagg"
     assert route(policy, 500, prefill_backlog_tokens=10_001) == "colocated"
     assert route(DisaggPolicy("disagg"), 500, prefill_backlog_tokens=10**9) == "disagg"  # 0 = no limit
+
+
+def test_a_short_prompt_goes_to_the_prefill_pool_only_when_that_is_predicted_faster():
+    policy = DisaggPolicy("disagg", 256)
+    assert route(policy, 128, prefill_faster=lambda: True) == "disagg"
+    assert route(policy, 128, prefill_faster=lambda: False) == "colocated"
+    asked = []
+    assert route(policy, 300, prefill_faster=lambda: asked.append(1) or False) == "disagg"  # long: never asked
+    assert route(DisaggPolicy("colocated", 256), 128, prefill_faster=lambda: asked.append(1) or True) == "colocated"
+    assert not asked
+
+
+def test_the_faster_stage_is_admission_controls_prediction_on_each_stages_queue():
+    """128 tokens; both pools measured at 1,000 tokens/s; 150 ms first-token overhead."""
+    a = AdmissionPolicy(prior_prefill_tokens_per_s=1_000.0, first_token_overhead_ms=150.0)
+    rates = {"prefill": 1_000.0, "decode": 1_000.0}
+
+    def faster(prefill: dict, decode: dict, tier: str = "interactive", **kw) -> bool:
+        return prefill_is_faster(a, DEFAULT_TIERS, tier, 128, 128, {"prefill": prefill, "decode": decode},
+                                 kw.get("rates", rates), kw.get("calibration"))
+
+    assert not faster({}, {})  # nothing waits on the decode worker: no KV to move is cheapest
+    assert faster({}, {"interactive": 256})  # the prefill pool 278 ms, the decode worker 534 ms
+    assert not faster({"interactive": 512}, {"interactive": 256})
+    assert not faster({"interactive": 256}, {"interactive": 256})  # a tie stays where it is
+    # Only what EDF serves first counts: batch prompts queued on the decode worker are not ahead.
+    assert not faster({}, {"batch": 5_000})
+    assert faster({"batch": 5_000}, {"interactive": 100})
+    # A stage's pool rate and its calibration price its queue.
+    assert not faster({}, {"interactive": 256}, rates={"prefill": 250.0, "decode": 1_000.0})
+    cal = TtftCalibration()
+    for _ in range(50):
+        cal.observe(("decode", "interactive"), 400.0, 100.0)  # the decode worker beats its prediction
+    assert not faster({}, {"interactive": 256}, calibration=cal)
 
 
 def test_a_tenant_capped_at_a_tier_gets_it_by_default_and_every_looser_one_on_request():

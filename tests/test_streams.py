@@ -146,6 +146,42 @@ async def test_backlog_counts_queued_prompt_tokens_per_tier(r, key_prefix):
     assert await queued_tokens(r, keys, "decode") == {"batch": 3}
 
 
+
+async def test_a_reservation_becomes_what_the_entry_adds_to_the_backlog(r, key_prefix):
+    """Admission control reserves the whole prompt under the route its length gives; the enqueue leaves
+    the backlog holding what the entry really adds: moved to a demoted tier or another stage, cut to
+    the tokens its prefix cache does not hold. A refused request's release leaves nothing behind."""
+    from skyline.core.streams import Reservation, backlog_seen, queue_reservation, queued_tokens, release_backlog
+
+    keys = Keys(key_prefix)
+    for stage in ("prefill", "decode"):
+        await ensure_groups(r, keys, TIERS, stage)
+    await enqueue(r, keys, "prefill", request("old", "interactive", 1), 1000)  # 3 tokens already queued
+
+    async def reserve(stage, tier, tokens):
+        res = Reservation(stage, tier, tokens)
+        pipe = r.pipeline(transaction=False)
+        queue_reservation(pipe, keys, res)
+        _, raw = await pipe.execute()
+        return res, backlog_seen(raw, stage, res)
+
+    res, seen = await reserve("prefill", "interactive", 3)
+    assert seen == {"interactive": 3}  # the others' tokens, not its own
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 6}
+    demoted = request("a", "batch", 1)
+    await enqueue(r, keys, "prefill", demoted, 1000, reserved=res)
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 3, "batch": 3}
+
+    res, _ = await reserve("prefill", "interactive", 3)  # re-routed: its decode worker computes 1 token
+    await enqueue(r, keys, "decode", m.DecodeWork(request("b", "interactive", 1), kv_handle=None), 1000,
+                  reserved=res, prefill_tokens=1)
+    assert await queued_tokens(r, keys, "prefill") == {"interactive": 3, "batch": 3}
+    assert await queued_tokens(r, keys, "decode") == {"interactive": 1}
+
+    res, _ = await reserve("decode", "standard", 50)
+    await release_backlog(r, keys, res.stage, res.tier, res.tokens)  # refused
+    assert await queued_tokens(r, keys, "decode") == {"interactive": 1, "standard": 0}
+
 # -- prefix affinity: the affinity lanes and the cache view (scheduler/prefix.py) ----------------
 
 async def _alive(r, keys, *workers):

@@ -1,10 +1,17 @@
 """Decode role: pull the prompt's KV (or prefill locally), stream tokens to the client.
 
 Frames go to the request's pub/sub channel through the fenced publish script
-(workers/runs.py), which also logs the tokens sent. PUBLISH answers how many
-subscribers got the frame; 0 means the gateway no longer listens (the client
-left, or the gateway died), so the engine request is aborted at once instead
-of generating tokens for nobody. The entry is acked after the final frame.
+(workers/runs.py), which also logs the tokens and the frame sent. PUBLISH answers
+how many subscribers got the frame; 0 means the gateway no longer listens (the
+client left, or the gateway died), so the engine request is aborted instead of
+generating tokens for nobody: once nobody has listened for `outage_grace_s`,
+since a gateway whose relay lost Redis (a restart) re-subscribes within that
+time and catches up from the frame log. The entry is acked after the final frame.
+
+Redis unreachable: the claim, the publishes and the ack are retried for up to
+`outage_grace_s` (workers/outage.py) and the stream goes on where it was. If
+Redis came back without the frames this attempt had published (STATE_LOST:
+its data was lost), the request ends with a `redis_state_lost` error.
 
 Migration: claiming a request's decode work bumps its attempt number. When an
 earlier attempt already streamed tokens (its worker died or stalled and the
@@ -29,9 +36,10 @@ from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.migration import resume_refusal
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest, GenerationChunk, KVPullFailed, RequestRefused
+from skyline.workers.outage import ride_out
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
-from skyline.workers.runs import FENCED, RunClaim
+from skyline.workers.runs import FENCED, STATE_LOST, RunClaim
 from skyline.workers.runtime import Fenced, WorkerRuntime
 
 log = logging.getLogger("skyline.worker.decode")
@@ -41,21 +49,43 @@ class ClientGone(Exception):
     """Nobody subscribes to the request's token channel any more."""
 
 
+class StateLost(Exception):
+    """Redis lost frames of this request that were already published (its data was lost)."""
+
+
 class DecodeHandler:
     def __init__(self, rt: WorkerRuntime):
         self.rt = rt
-        self.publisher = BatchPublisher(rt.redis, rt.runs.publish_script)
+        self.grace_s = rt.cfg.redis.outage_grace_s
+        self.publisher = BatchPublisher(rt.redis, rt.runs.publish_script, self.grace_s)
         rt.on_start.append(self.publisher.start)
 
+    async def _ack(self, claimed: Claimed) -> None:
+        await ride_out(lambda: self.rt.queues.ack(claimed), self.grace_s, "acking a decode entry")
+
     async def __call__(self, claimed: Claimed) -> None:
+        try:
+            await self._serve(claimed)
+        except StateLost as exc:
+            rid = str(exc)
+            await self.rt.engine.abort(rid)
+            log.error("%s: Redis came back without frames already published; failing it", rid)
+            await self.rt.fail(claimed, 502, "Redis lost this request's state (it restarted without the output "
+                                             "already sent); retry the request", code="redis_state_lost",
+                               dead_letter=False)
+
+    async def _serve(self, claimed: Claimed) -> None:
         work = claimed.message
         if not isinstance(work, messages.DecodeWork):
             await self.rt.fail(claimed, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
             return
         req = work.request
-        run = await self.rt.runs.claim(req.request_id, self.rt.worker_id)
+        run, claimed.run = claimed.run, None  # claimed with the entry (Runs.take), unless reclaimed
+        if run is None:
+            run = await ride_out(lambda: self.rt.runs.claim(req.request_id, self.rt.worker_id), self.grace_s,
+                                 f"claiming {req.request_id}")
         if run.done:  # an earlier attempt sent the final frame and died before its ack
-            await self.rt.queues.ack(claimed)
+            await self._ack(claimed)
             return
         stream = _Stream(self, req, run)
         if run.output:
@@ -118,7 +148,7 @@ class DecodeHandler:
                 raise  # another worker owns the request now: leave the entry to it
             log.info("client of %s is gone; aborting", req.request_id)
             self.rt.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
-            await self.rt.queues.ack(claimed)
+            await self._ack(claimed)
             return
         if source.why_local:
             kv_transfer["local_prefill"] = source.why_local
@@ -146,7 +176,7 @@ class DecodeHandler:
             await stream.send(final, [], final=True)
         if prefilled_here:
             await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
-        await self.rt.queues.ack(claimed)
+        await self._ack(claimed)
 
     async def _chunks(self, ereq: EngineRequest, req: messages.GenerateRequest,
                       source: _Source) -> AsyncIterator[GenerationChunk]:
@@ -172,7 +202,7 @@ class DecodeHandler:
         colocated routes, and take the prompt off the prefill backlog now rather
         than when the whole answer is done (it is no longer work ahead of anyone)."""
         self.rt.meter.record(started_ms, first_token_ms, tokens)
-        await self.rt.queues.release_prefill(claimed)
+        await ride_out(lambda: self.rt.queues.release_prefill(claimed), self.grace_s, "releasing a prefill")
 
     async def _plan(self, work: messages.DecodeWork, run: RunClaim) -> tuple[EngineRequest, dict | None, str]:
         """What to give the engine: the request (continued after the tokens already
@@ -224,6 +254,7 @@ class _Stream:
         self.channel = handler.rt.keys.tokens(req.request_id)
         self.seq = run.frames
         self.produced = len(run.output)
+        self.unheard_since: float | None = None  # monotonic time of the first publish nobody received
 
     def delta_frame(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> messages.TokenDelta:
         return messages.TokenDelta(
@@ -232,9 +263,18 @@ class _Stream:
             stop_reason=chunk.stop_reason, prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs)
 
     async def delta(self, chunk: GenerationChunk, prompt_logprobs: list | None) -> None:
-        if await self.send(self.delta_frame(chunk, prompt_logprobs), chunk.token_ids) == 0:
-            raise ClientGone
+        receivers = await self.send(self.delta_frame(chunk, prompt_logprobs), chunk.token_ids)
         self.produced += len(chunk.token_ids)
+        if receivers > 0:
+            self.unheard_since = None
+            return
+        # Nobody listens: the client left, or its gateway's relay is reconnecting (it catches up
+        # from the frame log). Only silence past the grace means the client is gone.
+        now = time.monotonic()
+        if self.unheard_since is None:
+            self.unheard_since = now
+        if now - self.unheard_since >= self.h.grace_s:
+            raise ClientGone
 
     async def send_last(self, frame: messages.TokenDelta, token_ids: list[int], final: messages.Finished) -> None:
         """The last tokens and the final frame in one pipeline (Redis runs them in order). Nobody
@@ -242,8 +282,11 @@ class _Stream:
         runs, rid, attempt = self.h.rt.runs, self.req.request_id, self.run.attempt
         calls = [runs.publish_args(rid, attempt, self.channel, messages.encode(frame), False, token_ids, self.seq),
                  runs.publish_args(rid, attempt, self.channel, messages.encode(final), True, [], self.seq + 1)]
-        if FENCED in await self.h.publisher.publish_in_order(calls):
+        results = await self.h.publisher.publish_in_order(calls)
+        if FENCED in results:
             raise Fenced(f"{rid}: attempt {attempt} was taken over")
+        if STATE_LOST in results:
+            raise StateLost(rid)
         self.seq += 2
         self.produced += len(token_ids)
 
@@ -258,5 +301,7 @@ class _Stream:
         receivers = await self.h.publisher.publish(keys, args)
         if receivers == FENCED:
             raise Fenced(f"{self.req.request_id}: attempt {self.run.attempt} was taken over")
+        if receivers == STATE_LOST:
+            raise StateLost(self.req.request_id)
         self.seq += 1
         return receivers

@@ -17,6 +17,7 @@ from skyline.core import messages
 from skyline.core.streams import Claimed, entry_fields, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest
+from skyline.workers.outage import ride_out
 from skyline.workers.runtime import WorkerRuntime
 
 log = logging.getLogger("skyline.worker.prefill")
@@ -45,13 +46,17 @@ class PrefillHandler:
         )
         stream = self.rt.keys.stream("decode", req.tier)
         t_handoff = observe.prefill_finished(self.rt, req, work, result.cached_tokens)
-        entry = await self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
-                                            self.rt.cfg.redis.stream_maxlen)
+        # A Redis restart meanwhile must not waste the prefill: the hand-off is done once per
+        # request however often it is sent, so it is retried until Redis is back (outage.py).
+        grace = self.rt.cfg.redis.outage_grace_s
+        entry = await ride_out(lambda: self.rt.runs.hand_off(req.request_id, stream, entry_fields(work),
+                                                             self.rt.worker_id, self.rt.cfg.redis.stream_maxlen),
+                               grace, f"handing {req.request_id} off")
         if entry is None:
             # Another attempt of this request (this entry was taken over while we
             # were slow, or delivered twice) handed it off first. Our KV blocks are
             # never pulled; the engine frees them when their lease expires.
             log.warning("%s was already handed off by another attempt; dropping this one", req.request_id)
         observe.handle_published(self.rt, req, work, t_handoff, handed_off=entry is not None)
-        await self.rt.queues.ack(claimed)
+        await ride_out(lambda: self.rt.queues.ack(claimed), grace, f"acking {req.request_id}")
         log.debug("prefilled %s (%d tokens) in %d ms", req.request_id, result.prompt_tokens, work.prefill_finished_ms - started)

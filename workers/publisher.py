@@ -6,6 +6,11 @@ latency, not the engine, the limit on streamed tokens/s. Each frame is one
 call of the fenced publish script (workers/runs.py: check ownership, log the
 tokens, PUBLISH). Callers still get each call's own answer: the number of
 subscribers that received the frame (0: the client has gone) or FENCED.
+
+While Redis is down or restarting, a batch is retried (workers/outage.py) for
+up to `grace_s`: the script applies a frame once by its number, so a batch
+that partly ran before the connection broke is safe to send again, and the
+request goes on where it was once Redis is back.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from skyline.workers.outage import RETRYABLE, ride_out
+
 
 class BatchPublisher:
-    def __init__(self, r: aioredis.Redis, script: AsyncScript):
+    def __init__(self, r: aioredis.Redis, script: AsyncScript, grace_s: float = 0.0):
         self.r = r
         self.script = script
+        self.grace_s = grace_s  # how long a batch is retried while Redis is unreachable
         self._pending: list[tuple[list, list, asyncio.Future]] = []
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -71,6 +79,21 @@ class BatchPublisher:
             return results
         return results
 
+    async def _send(self, batch: list[tuple[list, list, asyncio.Future]]) -> list:
+        """One attempt at the whole batch. A call that met a Redis going away or still loading
+        its data (LOADING) raises, so that the batch is sent again."""
+        if isinstance(self.r, RedisCluster):
+            # redis-py refuses EVALSHA in cluster pipelines: one concurrent call per frame
+            # (all of a request's keys share the {decode} slot, so they go to one node).
+            results = await asyncio.gather(*(self.script(keys=keys, args=args) for keys, args, _ in batch),
+                                           return_exceptions=True)
+        else:
+            results = await self._pipelined(batch)
+        for x in results:
+            if isinstance(x, RETRYABLE):
+                raise x
+        return results
+
     async def _run(self) -> None:
         while True:
             await self._ready.wait()
@@ -79,13 +102,7 @@ class BatchPublisher:
             if not batch:
                 continue
             try:
-                if isinstance(self.r, RedisCluster):
-                    # redis-py refuses EVALSHA in cluster pipelines: one concurrent call per frame
-                    # (all of a request's keys share the {decode} slot, so they go to one node).
-                    results = await asyncio.gather(*(self.script(keys=keys, args=args) for keys, args, _ in batch),
-                                                   return_exceptions=True)
-                else:
-                    results = await self._pipelined(batch)
+                results = await ride_out(lambda b=batch: self._send(b), self.grace_s, "publishing output frames")
             except Exception as exc:  # noqa: BLE001 - every waiting caller gets the failure
                 for _, _, fut in batch:
                     if not fut.done():

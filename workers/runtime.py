@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
 from skyline.workers.engines.base import Engine
+from skyline.workers.outage import ride_out
 from skyline.workers.reaper import forget_departed, reclaim
 from skyline.workers.runs import Runs
 
@@ -71,7 +73,9 @@ class WorkerRuntime:
         self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
         self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id,
                                  liveness_s=cfg.worker.reclaim_after_s)
-        self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s)
+        self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s, cfg.redis.outage_grace_s)
+        # A decode worker claims an entry and its request's run in one round trip (workers/runs.py).
+        self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if self.stage == "decode" else None
         self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
         self.prompt_tokens_in_flight = 0
         # Decode: prompts this worker computes itself (colocated route) that have no first token
@@ -153,7 +157,7 @@ class WorkerRuntime:
         log.info("worker %s stopping (%s): %d request(s) held", self.worker_id, sig.name, len(self.in_flight))
         self.stopping.set()
         # Drain, then up to 10 s handing back, then the bounded steps of the way out.
-        limit_s = self.cfg.worker.drain_timeout_s + 10 + len(EXIT_STEPS) * EXIT_STEP_S + 5
+        limit_s = self.cfg.worker.drain_timeout_s + 10 + EXIT_STEPS * EXIT_STEP_S + 5
         _StopWatchdog(asyncio.get_running_loop(), limit_s).start()
 
     async def _drain(self) -> None:
@@ -360,7 +364,7 @@ class WorkerRuntime:
                 continue
             tiers = self._claimable_tiers()
             try:
-                claimed = await self.queues.claim(block_ms=500, tiers=tiers)
+                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take)
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -471,21 +475,32 @@ class WorkerRuntime:
                    dead_letter: bool = True, detail: str | None = None) -> None:
         """End a request with an explicit error frame, record it in the dead-letter
         stream (for a human to look at, with `detail` when the client's message leaves it
-        out), and ack it: never drop a request silently."""
+        out), and ack it: never drop a request silently. The frame also goes at the end of the
+        request's frame log, where a relay that was reconnecting when it was published finds it
+        (gateway/resume.py). Retried while Redis is unreachable (a second copy is harmless: the
+        gateway takes one terminal frame)."""
         req = _request_of(claimed.message)
         self.timeline.emit(req.request_id, "failed", status=status, reason=code or "error", dead_letter=dead_letter)
         frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message, code=code)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.publish(self.keys.tokens(req.request_id), messages.encode(frame))
-        if dead_letter:
-            pipe.xadd(
-                self.keys.dead,
-                {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
-                 "msg": messages.encode(claimed.message)},
-                maxlen=10_000, approximate=True,
-            )
-        await pipe.execute()
-        await self.queues.ack(claimed)
+        payload, frames = messages.encode(frame), self.keys.frames(req.request_id)
+
+        async def send() -> None:  # a pipeline is emptied by its execute(): built afresh for each try
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.rpush(frames, payload)
+            pipe.expire(frames, self.runs.kept_after_final_s)
+            pipe.publish(self.keys.tokens(req.request_id), payload)
+            if dead_letter:
+                pipe.xadd(
+                    self.keys.dead,
+                    {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
+                     "msg": messages.encode(claimed.message)},
+                    maxlen=10_000, approximate=True,
+                )
+            await pipe.execute()
+
+        grace = self.cfg.redis.outage_grace_s
+        await ride_out(send, grace, f"failing {req.request_id}")
+        await ride_out(lambda: self.queues.ack(claimed), grace, f"acking {req.request_id}")
 
     # -- side loops --------------------------------------------------------------
 

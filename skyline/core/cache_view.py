@@ -48,10 +48,26 @@ async def matched(r: aioredis.Redis, keys: Keys, worker_ids: Sequence[str], chai
     if not chain or not worker_ids:
         return dict.fromkeys(worker_ids, 0)
     pipe = r.pipeline(transaction=False)
+    queue_match(pipe, keys, worker_ids, chain)
+    return parse_match(worker_ids, chain, await pipe.execute())
+
+
+def queue_match(pipe, keys: Keys, worker_ids: Sequence[str], chain: Sequence[str]) -> int:
+    """Put the reads of `matched` on `pipe` (the gateway sends them with its other reads of the
+    request, in one round trip); returns how many replies they take."""
+    if not chain:
+        return 0
     for w in worker_ids:
         pipe.zmscore(keys.kv_cache(w), list(chain))
+    return len(worker_ids)
+
+
+def parse_match(worker_ids: Sequence[str], chain: Sequence[str], replies: Sequence) -> dict[str, int]:
+    """`matched`'s answer from the replies of `queue_match`."""
+    if not chain:
+        return dict.fromkeys(worker_ids, 0)
     return {w: matched_blocks(chain, {h for h, score in zip(chain, scores or ()) if score is not None})
-            for w, scores in zip(worker_ids, await pipe.execute())}
+            for w, scores in zip(worker_ids, replies)}
 
 
 def _ttl(ttl_s: float) -> int:

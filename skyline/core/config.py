@@ -36,6 +36,11 @@ class RedisConfig:
     # Lifetime of a request's delivery state (hand-off flag, attempt, output log);
     # longer than any request may live (gateway.request_timeout_s).
     run_ttl_s: int = 900
+    # How long requests in flight ride out a lost Redis connection (a restart, a failover, a
+    # network blip): the gateway's relay keeps their subscriptions and catches them up from
+    # the frame log once it is back; workers retry their writes and keep generating for a
+    # stream nobody hears (docs/reliability.md "Redis persistence"). 0 = they fail at once.
+    outage_grace_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ _PORT = (0, 65535, True)
 RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("redis", "stream_maxlen"): _AT_LEAST_1,
     ("redis", "run_ttl_s"): _AT_LEAST_1,
+    ("redis", "outage_grace_s"): _AT_LEAST_0,
     ("engine", "max_model_len"): _AT_LEAST_1,
     ("engine", "max_num_batched_tokens"): _AT_LEAST_0,
     ("engine", "long_prefill_token_threshold"): (-1, None, True),

@@ -150,6 +150,26 @@ class Keys:
         """
         return f"{self.prefix}:{{decode}}:out:{request_id}"
 
+    def frames(self, request_id: str) -> str:
+        """LIST `skyline:{decode}:frames:<id>` — every output frame of one request, as published.
+
+        Entry k is frame k (its `seq`), RPUSHed by the publish script atomically with its
+        PUBLISH; a Failed frame a worker publishes outside the script (`seq` 2**30) is
+        appended last. Read by the gateway's relay after it lost its connection: it catches
+        each request up from the frame after the last one it delivered (gateway/resume.py).
+        TTL `redis.run_ttl_s`; `redis.outage_grace_s` + 5 s once the request has ended.
+        """
+        return f"{self.prefix}:{{decode}}:frames:{request_id}"
+
+    @property
+    def epoch(self) -> str:
+        """STRING `skyline:{decode}:epoch` — a random token, set once (SET NX) by the first relay
+        that finds none. A relay that finds another token (or none) after reconnecting knows
+        Redis lost its data meanwhile (a restart without persistence, a flush): the requests it
+        held have no state left. Same hash tag as the run state it vouches for. No TTL.
+        """
+        return f"{self.prefix}:{{decode}}:epoch"
+
     def timeline(self, request_id: str) -> str:
         """LIST `skyline:timeline:<id>` — what happened to one request, one JSON event per entry.
 

@@ -7,7 +7,9 @@ module only observes the stream heads and moves entries.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -28,6 +30,7 @@ class Head:
     deadline_ms: int
     prompt_tokens: int
     stream: str = ""
+    request_id: str = ""
 
 
 @dataclass
@@ -39,7 +42,11 @@ class Claimed:
     tier: str
     message: messages.Message
     prefill_tokens: int = 0  # what this entry added to the backlog; removed again at ack
+    run: Any = None  # what the stage's `take` claimed with the entry (a decode worker: its RunClaim)
 
+
+# (stream, group, consumer, request id of the head) -> (entry id, fields, what else it claimed) or None
+Take = Callable[[str, str, str, str], Awaitable[tuple[str, dict, Any] | None]]
 
 LANES_REFRESH_S = 1.0  # how often a consumer re-reads the affinity lanes and the live workers
 
@@ -77,23 +84,33 @@ class Placement:
     matched_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Prompt tokens admission control added to the backlog of (`stage`, `tier`) before deciding
+    (`queue_reservation`); the enqueue turns it into what the entry really adds."""
+
+    stage: str
+    tier: str
+    tokens: int
+
+
 async def enqueue(
     r: aioredis.Redis, keys: Keys, stage: str, msg: messages.GenerateRequest | messages.DecodeWork, maxlen: int,
-    backlog_reserved: bool = False, retry: bool = False, placement: Placement | None = None,
+    reserved: Reservation | None = None, retry: bool = False, placement: Placement | None = None,
     prefill_tokens: int | None = None,
 ) -> str:
     """XADD a request to its tier stream (`retry`: to the tier's retry lane, for work
     returned to the queue; `placement`: to the affinity lane of the worker it names).
     Besides the msgpack body, a few plain fields make `XRANGE` readable for an
-    operator. `backlog_reserved`: admission control already added the prompt to the
-    backlog (see `reserve_backlog`). `prefill_tokens`: what its prefill will compute, when the
-    gateway knows its prefix is cached (else the whole prompt); the worker takes the same off the
-    backlog at ack."""
+    operator. The entry's prefill work is added to the backlog in the same round trip;
+    `reserved`: what admission control added already, moved or corrected to that here
+    (its request may have been demoted, re-routed, or found partly cached). `prefill_tokens`:
+    what its prefill will compute, when the gateway knows its prefix is cached (else the whole
+    prompt); the worker takes the same off the backlog at ack."""
     req = msg.request if isinstance(msg, messages.DecodeWork) else msg
     fields = entry_fields(msg)
     if prefill_tokens is not None and fields["prefill_tokens"]:
         fields["prefill_tokens"] = prefill_tokens
-    prefill_tokens = fields["prefill_tokens"]
     pipe = r.pipeline(transaction=False)
     if placement is not None:
         key = keys.affinity_lane(stage, req.tier, placement.worker)
@@ -104,14 +121,25 @@ async def enqueue(
     else:
         key = keys.retry_stream(stage, req.tier) if retry else keys.stream(stage, req.tier)
     pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
-    if prefill_tokens and not backlog_reserved:
-        pipe.hincrby(keys.backlog, Keys.backlog_field(stage, req.tier), prefill_tokens)
+    for field, delta in _backlog_moves(reserved, stage, req.tier, fields["prefill_tokens"]):
+        pipe.hincrby(keys.backlog, field, delta)
     results = await pipe.execute(raise_on_error=False)
     entry_id = results[2 if placement is not None else 0]
     for result in results:
         if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
             raise result
     return _s(entry_id)
+
+
+def _backlog_moves(reserved: Reservation | None, stage: str, tier: str, tokens: int) -> list[tuple[str, int]]:
+    """The backlog increments that leave (`stage`, `tier`) holding the entry's `tokens`
+    in place of what was `reserved` for it."""
+    moves: dict[str, int] = {}
+    if reserved is not None and reserved.tokens:
+        moves[Keys.backlog_field(reserved.stage, reserved.tier)] = -reserved.tokens
+    field = Keys.backlog_field(stage, tier)
+    moves[field] = moves.get(field, 0) + tokens
+    return [(f, d) for f, d in moves.items() if d]
 
 
 def needs_prefill(msg: messages.Message) -> bool:
@@ -139,20 +167,25 @@ async def queued_tokens(r: aioredis.Redis, keys: Keys, stage: str) -> dict[str, 
     return _backlog_of(await r.hgetall(keys.backlog), stage)
 
 
-async def reserve_backlog(r: aioredis.Redis, keys: Keys, stage: str, tier: str, tokens: int) -> dict[str, int]:
-    """Add a request's prompt to the backlog and read the backlog, atomically.
+def queue_reservation(pipe, keys: Keys, reserved: Reservation) -> None:
+    """Put on `pipe`: add a request's prompt to the backlog, then read the backlog (two replies).
 
-    Admission decides on the result: concurrent requests each see the others'
-    reservations, so a burst cannot all pass a check made before any of them
-    was counted. The caller releases the reservation if it refuses the request.
-    Returns the backlog *without* this request's own tokens.
+    Admission decides on the read (`backlog_seen`). The two run in this order on one
+    connection, so of two concurrent requests at least one sees the other's tokens (the
+    later increment comes before the later read): a burst cannot all pass a check made
+    before any of them was counted. The caller releases the reservation if it refuses
+    the request, and the enqueue settles it (`enqueue`'s `reserved`).
     """
-    pipe = r.pipeline(transaction=True)
-    pipe.hincrby(keys.backlog, Keys.backlog_field(stage, tier), tokens)
+    pipe.hincrby(keys.backlog, Keys.backlog_field(reserved.stage, reserved.tier), reserved.tokens)
     pipe.hgetall(keys.backlog)
-    _, raw = await pipe.execute()
+
+
+def backlog_seen(raw: dict, stage: str, reserved: Reservation | None) -> dict[str, int]:
+    """tier -> the backlog of `stage` as read by `queue_reservation`, without the reserving request's own
+    tokens."""
     backlog = _backlog_of(raw, stage)
-    backlog[tier] = max(0, backlog.get(tier, 0) - tokens)
+    if reserved is not None and reserved.stage == stage:
+        backlog[reserved.tier] = max(0, backlog.get(reserved.tier, 0) - reserved.tokens)
     return backlog
 
 
@@ -268,7 +301,7 @@ class TierQueues:
                 if not may_claim(self.consumer, holder, now, until, holder in self.live):
                     self.deferred_until_ms = min(self.deferred_until_ms or until, until)
                     continue
-            head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key)
+            head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key, _s(fields.get(b"id", b"")))
             seen = heads.get(tier)
             if seen is None or self._due_first(head, seen):
                 heads[tier] = head
@@ -284,20 +317,31 @@ class TierQueues:
         """The tier to claim from: EDF over the heads (`pick_tier`), among `tiers` only if given."""
         return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
 
-    async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None) -> Claimed | None:
+    async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
+                    take: Take | None = None) -> Claimed | None:
         """Claim the next entry in EDF order (among `tiers` only, if given), or None if
-        nothing arrived in `block_ms` (or only entries of other tiers are waiting)."""
+        nothing arrived in `block_ms` (or only entries of other tiers are waiting).
+        `take`: claims the entry with what the stage keeps beside it, in one round trip
+        (a decode worker's run: workers/runs.py `Runs.take`); else a plain XREADGROUP."""
         heads = await self.peek_heads(block_ms)
         tier = self.pick(heads, tiers)
         if tier is None:
             return None
-        key = heads[tier].stream
-        resp = await self.r.xreadgroup(self.group, self.consumer, {key: ">"}, count=1)
-        for _key, entries in resp or []:
-            for entry_id, fields in entries:
-                prefill_tokens = int(fields.get(b"prefill_tokens", 0))
-                return Claimed(key, _s(entry_id), tier, messages.decode(fields[b"msg"]), prefill_tokens)
-        return None  # another worker took it between peek and claim
+        head = heads[tier]
+        if take is not None:
+            got = await take(head.stream, self.group, self.consumer, head.request_id)
+            if got is None:
+                return None  # another worker took it between peek and claim
+            entry_id, fields, run = got
+        else:
+            resp = await self.r.xreadgroup(self.group, self.consumer, {head.stream: ">"}, count=1)
+            entries = [e for _key, es in resp or [] for e in es]
+            if not entries:
+                return None  # another worker took it between peek and claim
+            (raw_id, fields), run = entries[0], None
+            entry_id = _s(raw_id)
+        prefill_tokens = int(fields.get(b"prefill_tokens", 0))
+        return Claimed(head.stream, entry_id, tier, messages.decode(fields[b"msg"]), prefill_tokens, run)
 
     async def release_prefill(self, claimed: Claimed) -> None:
         """The entry's prompt has been computed before its ack (a colocated request

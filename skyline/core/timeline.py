@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
@@ -76,7 +76,9 @@ class TimelineEvent:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), default=str)
+        # Not `asdict`: its deep copy of `fields` cost more than the encoding (several events a request).
+        return json.dumps({"event": self.event, "t_ms": self.t_ms, "who": self.who, "fields": self.fields},
+                          separators=(",", ":"), default=str)
 
     @staticmethod
     def from_json(raw: bytes | str) -> TimelineEvent:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from skyline.core.config import SkylineConfig, prefill_cap
-from skyline.scheduler.admission import TtftCalibration, decide, demoted, learn_ttft, pool_rate, stage_of
+from skyline.scheduler.admission import (
+    TtftCalibration, decide, demoted, learn_ttft, pool_rate, prefill_is_faster, stage_of,
+)
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
@@ -147,7 +149,13 @@ class Simulation:
         slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
-        req.route = path = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog)
+        faster = None
+        if self.admission is not None and self.prefill_workers:  # as the live gateway: with the backlog read
+            def faster() -> bool:
+                return prefill_is_faster(self.admission, self.tiers, slo.tier, req.prompt_tokens, req.prompt_tokens,
+                                         {"prefill": self.prefill_q.backlog, "decode": self.decode_q.backlog},
+                                         self.seen_rate, self.calibration)
+        req.route = path = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog, faster)
         stage = stage_of(path)
         if stage == "prefill":
             q, ready = self.prefill_q, self.prefill_ready
