@@ -129,6 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--trials", type=int, default=3)
     bu.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     bu.add_argument("--out", help="also write the JSON result to this file")
+    vc = bsub.add_parser(
+        "vllm-client",
+        help="vLLM's own client (`vllm bench serve`, random prompts) against plain vLLM and the default fleet, "
+             "one system after the other on the same cores; report with issue 21's goals",
+        description="For each of --systems: start it, run vLLM's own benchmark client against it (`vllm bench "
+                    "serve --dataset-name random`, /v1/completions, the same seed: the same prompts at the same "
+                    "times), stop it. Writes <out>/<system>.json (vLLM's result), results.json and report.md: "
+                    "completed/failed, TTFT p50/p99, TPOT, output tok/s, each system against the first, and the "
+                    "goals: serve every request vLLM served, TTFT p50 and p99 no worse, output tok/s >= 0.95x.")
+    vc.add_argument("--systems", default="vllm-fcfs,skyline-disagg",
+                    help="comma-separated, run in this order; the first is the baseline (default: plain vLLM on "
+                         "every core, then the `make up` fleet: gateway + 1 prefill + 1 decode worker, one core each)")
+    vc.add_argument("--input-len", type=int, default=128, help="random prompt tokens (default 128)")
+    vc.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
+    vc.add_argument("--num-prompts", type=int, default=24, help="requests per system (default 24)")
+    vc.add_argument("--rate", type=float, default=2.0, help="requests/s, Poisson (default 2)")
+    vc.add_argument("--seed", type=int, default=0, help="vLLM's seed for the prompts and arrival times (default 0)")
+    vc.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="every request generates exactly --output-len tokens (default on)")
+    vc.add_argument("--skyline-config", help="a TOML file for the Skyline systems' gateway and workers")
+    vc.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
+    vc.add_argument("--out", help="output folder (default benchmarks/<YYYY-MM-DD>-vllm-client)")
     from skyline.tools.bench.options import add_run_arguments  # argparse only: cheap
 
     mg = bsub.add_parser("merge", help="one report from several `bench run` results of the same benchmark "
@@ -223,6 +245,11 @@ def main(argv: list[str] | None = None) -> None:
             from skyline.tools.bench.burst import main as burst_main
 
             burst_main(args)
+            return
+        if args.bench == "vllm-client":
+            from skyline.tools.bench.vllm_client import main as vllm_client_main
+
+            vllm_client_main(args)
             return
         if args.bench == "churn":
             from skyline.tools.bench.churn import main as churn_main
