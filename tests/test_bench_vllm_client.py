@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_the_goals_are_not_met_when_the_fleet_falls_behind():
 
 
 def _results(**systems) -> dict:
-    return {"started": "2026-12-02T10:15:00+00:00", "load": vars(Load()) | {}, "cores": "0-1",
+    return {"started": "2026-12-02T10:15:00+00:00", "load": asdict(Load()), "cores": "0-1",
             "command": "vllm bench serve --backend openai", "systems": systems}
 
 

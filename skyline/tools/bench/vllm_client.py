@@ -152,13 +152,14 @@ def report(results: dict) -> str:
     lines = [
         "# vLLM's own client (`vllm bench serve`) against each system",
         "",
-        f"{results['started']}; random prompts of {load['input_len']} tokens, {load['output_len']} output tokens"
-        f"{' (ignore_eos)' if load['ignore_eos'] else ''}, {load['num_prompts']} prompts at {load['rate']:g} req/s "
-        f"(Poisson), seed {load['seed']}; `/v1/completions`, streamed. The systems ran one after the other on "
-        f"the same cores ({results['cores']}); the client shares them. Raw results: `<system>.json` beside this file.",
+        (f"{results['started']}; random prompts of {load['input_len']} tokens, {load['output_len']} output tokens"
+         f"{' (ignore_eos)' if load['ignore_eos'] else ''}, {load['num_prompts']} prompts at {load['rate']:g} req/s "
+         f"(Poisson), seed {load['seed']}; `/v1/completions`, streamed. The systems ran one after the other on "
+         f"the same cores ({results['cores']}); the client shares them. Raw results: `<system>.json` beside this "
+         "file."),
         "",
-        "| system | completed | failed | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
-        "| E2E p50 (ms) | output tok/s | duration (s) |",
+        ("| system | completed | failed | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
+         "| E2E p50 (ms) | output tok/s | duration (s) |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in systems.items():
@@ -195,16 +196,12 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cores() -> str:
-    from skyline.tools.bench.systems import engine_cores
-
-    return engine_cores()
-
-
 def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: float, config: str) -> dict:
     """Start one system, run the client against it, stop it; its summary (or {"error": ...})."""
     from skyline.tools.bench.systems import SYSTEMS, start
 
+    result_file = out / f"{name}.json"
+    result_file.unlink(missing_ok=True)  # a file left by an earlier run into this folder must not pass for this one
     running = start(SYSTEMS[name], out / "logs", start_timeout, config=config)
     try:
         flags = client_flags(running.url, running.model, tokenizer, load, out, name)
@@ -214,11 +211,12 @@ def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: 
         # stragglers, not an expectation.
         timeout = load.num_prompts / load.rate + 900
         with open(log, "wb") as fh:
-            proc = subprocess.run(client_argv(flags), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+            # check=False: a failed client is reported as this system's error, and the next system still runs.
+            proc = subprocess.run(client_argv(flags), check=False, stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
         running.check_alive()  # a process that died mid-run explains a bad result better than the figures
     finally:
         running.stop()
-    result_file = out / f"{name}.json"
     if proc.returncode != 0 or not result_file.exists():
         tail = log.read_text(errors="replace")[-2000:]
         return {"error": f"vllm bench serve exited with {proc.returncode}\n{tail}"}
@@ -226,11 +224,10 @@ def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: 
 
 
 def main(args) -> None:
+    from skyline.tools.bench.systems import SYSTEMS, engine_cores
     from skyline.tools.model import resolve_model
 
     load = Load(args.input_len, args.output_len, args.num_prompts, args.rate, args.seed, args.ignore_eos)
-    from skyline.tools.bench.systems import SYSTEMS
-
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown or not names:
@@ -240,7 +237,7 @@ def main(args) -> None:
     tokenizer = resolve_model("default")  # the served model's own tokenizer, from the local folder
     template = client_flags("<url>", "<model>", tokenizer, load, out, "<system>")
     results = {"started": datetime.now(UTC).isoformat(timespec="seconds"), "load": asdict(load),
-               "cores": _cores(), "skyline_config": args.skyline_config or "",
+               "cores": engine_cores(), "skyline_config": args.skyline_config or "",
                "command": "vllm bench serve " + " ".join(template), "systems": {}}
     for name in names:
         t0 = time.monotonic()
