@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--prefill", type=int, default=2)
     ch.add_argument("--decode", type=int, default=2)
     ch.add_argument("--max-tokens", type=int, default=64)
+    ch.add_argument("--persistence", choices=("aof", "none"), default="aof",
+                    help="Redis persistence: aof (appendfsync everysec, the default: a restart loses nothing) "
+                         "or none (a restart loses the requests in flight, which fail with redis_state_lost)")
     ch.add_argument("--no-redis-restart", action="store_true", help="do not restart Redis half-way")
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--workdir", help="keep logs here (default: a temporary folder)")

@@ -22,6 +22,7 @@ class RequestRecord:
     # Where the error came from: "status" (HTTP error answer), "frame" (error event in
     # the stream: the server told the client) or "transport" (connection broke, timeout).
     error_source: str = ""
+    error_code: str = ""  # the OpenAI error object's `code` ("redis_state_lost", ...), when it has one
     sent: float = 0.0  # time.perf_counter() at send
     ttft_s: float = 0.0
     latency_s: float = 0.0
@@ -47,8 +48,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
-                rec.error = (await resp.aread()).decode(errors="replace")[:500]
-                rec.error_source = "status"
+                body = (await resp.aread()).decode(errors="replace")
+                rec.error, rec.error_source, rec.error_code = body[:500], "status", _error_code(body)
                 return rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -60,6 +61,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
                 if "error" in chunk:
                     rec.error = chunk["error"].get("message", "error")
                     rec.error_source = "frame"
+                    rec.error_code = str(chunk["error"].get("code") or "")
                     return rec
                 now = time.perf_counter() - rec.sent
                 for choice in chunk.get("choices") or []:
@@ -80,3 +82,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
         rec.error = f"{type(exc).__name__}: {exc}"
         rec.error_source = "transport"
     return rec
+
+
+def _error_code(body: str) -> str:
+    """The `code` of an OpenAI error answer; "" when the body is not one."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(err.get("code") or "") if isinstance(err, dict) else ""
