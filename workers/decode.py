@@ -60,9 +60,6 @@ class DecodeHandler:
         self.publisher = BatchPublisher(rt.redis, rt.runs.publish_script, self.grace_s)
         rt.on_start.append(self.publisher.start)
 
-    async def _ack(self, claimed: Claimed) -> None:
-        await ride_out(lambda: self.rt.queues.ack(claimed), self.grace_s, "acking a decode entry")
-
     async def __call__(self, claimed: Claimed) -> None:
         try:
             await self._serve(claimed)
@@ -85,7 +82,7 @@ class DecodeHandler:
             run = await ride_out(lambda: self.rt.runs.claim(req.request_id, self.rt.worker_id), self.grace_s,
                                  f"claiming {req.request_id}")
         if run.done:  # an earlier attempt sent the final frame and died before its ack
-            await self._ack(claimed)
+            await self.rt.ack(claimed)
             return
         stream = _Stream(self, req, run)
         if run.output:
@@ -148,7 +145,7 @@ class DecodeHandler:
                 raise  # another worker owns the request now: leave the entry to it
             log.info("client of %s is gone; aborting", req.request_id)
             self.rt.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
-            await self._ack(claimed)
+            await self.rt.ack(claimed)
             return
         if source.why_local:
             kv_transfer["local_prefill"] = source.why_local
@@ -176,7 +173,7 @@ class DecodeHandler:
             await stream.send(final, [], final=True)
         if prefilled_here:
             await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
-        await self._ack(claimed)
+        await self.rt.ack(claimed)
 
     async def _chunks(self, ereq: EngineRequest, req: messages.GenerateRequest,
                       source: _Source) -> AsyncIterator[GenerationChunk]:

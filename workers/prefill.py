@@ -48,15 +48,14 @@ class PrefillHandler:
         t_handoff = observe.prefill_finished(self.rt, req, work, result.cached_tokens)
         # A Redis restart meanwhile must not waste the prefill: the hand-off is done once per
         # request however often it is sent, so it is retried until Redis is back (outage.py).
-        grace = self.rt.cfg.redis.outage_grace_s
         entry = await ride_out(lambda: self.rt.runs.hand_off(req.request_id, stream, entry_fields(work),
                                                              self.rt.worker_id, self.rt.cfg.redis.stream_maxlen),
-                               grace, f"handing {req.request_id} off")
+                               self.rt.cfg.redis.outage_grace_s, f"handing {req.request_id} off")
         if entry is None:
             # Another attempt of this request (this entry was taken over while we
             # were slow, or delivered twice) handed it off first. Our KV blocks are
             # never pulled; the engine frees them when their lease expires.
             log.warning("%s was already handed off by another attempt; dropping this one", req.request_id)
         observe.handle_published(self.rt, req, work, t_handoff, handed_off=entry is not None)
-        await ride_out(lambda: self.rt.queues.ack(claimed), grace, f"acking {req.request_id}")
+        await self.rt.ack(claimed)
         log.debug("prefilled %s (%d tokens) in %d ms", req.request_id, result.prompt_tokens, work.prefill_finished_ms - started)

@@ -498,9 +498,14 @@ class WorkerRuntime:
                 )
             await pipe.execute()
 
-        grace = self.cfg.redis.outage_grace_s
-        await ride_out(send, grace, f"failing {req.request_id}")
-        await ride_out(lambda: self.queues.ack(claimed), grace, f"acking {req.request_id}")
+        await ride_out(send, self.cfg.redis.outage_grace_s, f"failing {req.request_id}")
+        await self.ack(claimed)
+
+    async def ack(self, claimed: Claimed) -> None:
+        """XACK a finished entry (`TierQueues.ack`), retried while Redis is unreachable for up to
+        `outage_grace_s` (workers/outage.py): acking again is harmless."""
+        await ride_out(lambda: self.queues.ack(claimed), self.cfg.redis.outage_grace_s,
+                       f"acking {_request_of(claimed.message).request_id}")
 
     # -- side loops --------------------------------------------------------------
 
