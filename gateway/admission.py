@@ -30,16 +30,17 @@ from skyline.scheduler.admission import (
 
 def apply_admission(
     cfg: SkylineConfig, policy: AdmissionPolicy, fleet: FleetView, prep: Prepared, backlog: Mapping[str, int],
-    metrics: GatewayMetrics, calibration: TtftCalibration | None = None,
+    metrics: GatewayMetrics, calibration: TtftCalibration | None = None, handoff_ms: float = 0.0,
 ) -> Prepared:
     """The request as it may be enqueued (possibly demoted), decided on `backlog` (tier -> tokens
-    queued in its stage, read while its own prompt was reserved: `skyline.core.streams.queue_reservation`);
-    or an ApiError (429/503). No I/O: the dispatcher releases the reservation of a refused request, and
+    queued in its stage, read while its own prompt was reserved: `skyline.core.streams.queue_reservation`;
+    `handoff_ms`: on the disaggregated route, the wait for a busy decode worker's step,
+    `skyline.scheduler.admission.handoff_wait_ms`); or an ApiError (429/503). No I/O: the dispatcher releases the reservation of a refused request, and
     the enqueue moves a demoted one's to its new tier."""
     req = prep.request
     stage, tokens = stage_of(prep.route), prep.prefill_tokens  # what its prefix cache does not hold
     d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
-                              pool_rate(fleet.workers, stage), calibration, prep.allow_demotion)
+                              pool_rate(fleet.workers, stage), calibration, prep.allow_demotion, handoff_ms)
     metrics.admission.labels(req.tier, d.action).inc()
     if d.action == "reject":
         raise ApiError(429, f"{d.reason}; retry later or send x-slo-allow-demotion: true to accept a looser tier",

@@ -32,7 +32,7 @@ from skyline.gateway.prepare import Prepared, Serving, needed_roles
 from skyline.gateway.ratelimit import TokenBudgets
 from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
-from skyline.scheduler.admission import TtftCalibration, pool_rate, prefill_is_faster, stage_of
+from skyline.scheduler.admission import TtftCalibration, handoff_wait_ms, pool_rate, prefill_is_faster, stage_of
 from skyline.scheduler.disagg import route
 
 
@@ -121,7 +121,11 @@ class Dispatcher:
                                 f"start one with {hint}", code="no_workers", headers={"Retry-After": "1"})
         if backlog is not None:
             seen = backlog_seen(backlog, stage_of(prep.route), reserved)
-            prep = apply_admission(cfg, self.admission_policy, fleet, prep, seen, self.metrics, self.calibration)
+            handoff = handoff_wait_ms(self.admission_policy, cfg.tiers, prep.request.tier,
+                                      backlog_seen(backlog, "decode", reserved),
+                                      pool_rate(fleet.workers, "decode")) if prep.route == "disagg" else 0.0
+            prep = apply_admission(cfg, self.admission_policy, fleet, prep, seen, self.metrics, self.calibration,
+                                   handoff)
         return prep
 
     def _route(self, prep: Prepared, match: CacheMatch | None, backlog: dict | None,

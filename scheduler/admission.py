@@ -37,6 +37,10 @@ class AdmissionPolicy:
     first_token_overhead_ms: float = 150.0  # KV transfer + first decode step + fleet hops
     sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; others always queue
     max_queued_tokens: int = 2_000_000  # hard bound on the prefill backlog: beyond it -> 503
+    # Prompt tokens one decode-worker step carries. A prompt prefilled in the prefill pool gets its
+    # first token in a step of a decode worker; while the decode workers compute prompts of their own,
+    # that step carries up to this many prompt tokens besides (0: not modelled).
+    decode_step_tokens: int = 0
 
 
 # FleetLoad and Decision are immutable records made once per request (millions in a simulated
@@ -204,15 +208,30 @@ def pool_rate(workers: Iterable, stage: str) -> float | None:
 
 def decide(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms: int, prompt_tokens: int,
            stage: str, backlog: Mapping[str, int], rate: float | None, calibration: TtftCalibration | None = None,
-           allow_demotion: bool = False) -> tuple[Decision, float | None]:
+           allow_demotion: bool = False, handoff_ms: float = 0.0) -> tuple[Decision, float | None]:
     """One request's admission (of `tier`, its own TTFT target `ttft_ms`): `admit` on the stage's backlog
     and pool rate, its prediction scaled by
-    the calibration of (stage, tier). Returns the decision and the unscaled model TTFT to learn from
-    when the request ends (`learn_ttft`): only for an admission as asked (a demoted request's
-    prediction was made for another tier; a refused one is never measured)."""
+    the calibration of (stage, tier). `handoff_ms`: the wait for a busy decode worker's step after the
+    prefill pool (`handoff_wait_ms`; 0 on the colocated route). Returns the decision and the unscaled
+    model TTFT to learn from when the request ends (`learn_ttft`): only for an admission as asked (a
+    demoted request's prediction was made for another tier; a refused one is never measured)."""
     scale = calibration._scale.get((stage, tier), 1.0) if calibration is not None else 1.0  # .scale(), inlined
+    if handoff_ms:
+        policy = replace(policy, first_token_overhead_ms=policy.first_token_overhead_ms + handoff_ms)
     d = _admit(policy, tiers, tier, ttft_ms, prompt_tokens, backlog, rate, scale, allow_demotion)
     return d, (d.predicted_ttft_ms / scale if d.action == "admit" else None)
+
+
+def handoff_wait_ms(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, decode_backlog: Mapping[str, int],
+                    decode_rate: float | None) -> float:
+    """How much longer a prompt prefilled in the prefill pool waits for its first token because the
+    decode workers compute prompts of their own (`decode_backlog`: tier -> prompt tokens queued on them):
+    the step that gives it its first token also carries up to `decode_step_tokens` of those prompts
+    (only what EDF serves no later than `tier`; the engine runs looser tiers' prompts in smaller steps)."""
+    if not policy.decode_step_tokens:
+        return 0.0
+    ahead = sum(decode_backlog.get(n, 0) for n in _tiers_ahead(tiers, tier))
+    return min(ahead, policy.decode_step_tokens) * 1000.0 / (decode_rate or policy.prior_prefill_tokens_per_s)
 
 
 def prefill_is_faster(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, prefill_tokens: int,
@@ -222,8 +241,9 @@ def prefill_is_faster(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: st
     worker (scheduler/disagg.py `route`)? Admission's own model on each stage: the tokens of this tier
     and stricter queued ahead in it (`backlog`: stage -> tier -> tokens) plus its own (`prefill_tokens`
     / `decode_tokens`: what each stage's prefix caches leave to compute) over the stage's pool rate, plus
-    the first-token overhead, scaled by the stage's calibration. Nothing queued ahead on the decode
-    worker: False (computing it there moves no KV, and nothing waits)."""
+    the first-token overhead, scaled by the stage's calibration; from the prefill pool, plus the busy
+    decode worker's step that gives the first token (`handoff_wait_ms`). Nothing queued ahead on the
+    decode worker: False (computing it there moves no KV, and nothing waits)."""
     names = _tiers_ahead(tiers, tier)
     queued_d, queued_p = backlog.get("decode", {}), backlog.get("prefill", {})
     ahead_d = sum(queued_d.get(n, 0) for n in names)
@@ -233,11 +253,13 @@ def prefill_is_faster(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: st
     scales = calibration._scale if calibration is not None else {}
     prior = policy.prior_prefill_tokens_per_s
 
-    def predicted(stage: str, ahead: int, tokens: int) -> float:
+    def predicted(stage: str, ahead: int, tokens: int, wait_ms: float = 0.0) -> float:
         rate = rates.get(stage) or prior
-        return ((ahead + tokens) * 1000.0 / rate + policy.first_token_overhead_ms) * scales.get((stage, tier), 1.0)
+        return (((ahead + tokens) * 1000.0 / rate + policy.first_token_overhead_ms + wait_ms)
+                * scales.get((stage, tier), 1.0))
 
-    return predicted("prefill", ahead_p, prefill_tokens) < predicted("decode", ahead_d, decode_tokens)
+    wait = handoff_wait_ms(policy, tiers, tier, queued_d, rates.get("decode"))
+    return predicted("prefill", ahead_p, prefill_tokens, wait) < predicted("decode", ahead_d, decode_tokens)
 
 
 def demoted(slo: Slo, tier: Tier) -> Slo:

@@ -32,7 +32,7 @@ from skyline.core.config import SkylineConfig
 from skyline.core.streams import Claimed
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
-from skyline.scheduler.admission import prefill_is_faster, stage_of
+from skyline.scheduler.admission import handoff_wait_ms, prefill_is_faster, stage_of
 from skyline.scheduler.disagg import route
 from skyline.scheduler.edf import pick_tier
 from skyline.tools.simulate import decode_worker as sim_decode
@@ -467,8 +467,11 @@ def test_the_simulated_gateway_admits_demotes_and_learns_as_the_live_one(demotio
         gen = messages.GenerateRequest(_rid(req), "m", [1] * req.prompt_tokens, messages.SamplingSpec(max_tokens=1),
                                        slo.tier, now_ms, slo.deadline_ms, slo.ttft_ms, slo.tpot_ms, slo.priority, path)
         try:
+            handoff = handoff_wait_ms(policy, cfg.tiers, slo.tier, backlogs["decode"],
+                                      sim.seen_rate["decode"]) if path == "disagg" else 0.0
             prep = apply_admission(cfg, policy, SimpleNamespace(workers=sim._view.workers),
-                                   _Prep(gen, slo, path, allow_demotion=demotion), backlog, metrics, live_cal)
+                                   _Prep(gen, slo, path, allow_demotion=demotion), backlog, metrics, live_cal,
+                                   handoff)
             live = ("demote" if prep.admission == "demote" else "admit", prep.request.tier, prep.request.priority,
                     prep.request.deadline_ms - now_ms, prep.request.tpot_ms, prep.model_ttft_ms)
             preps[_rid(req)] = prep

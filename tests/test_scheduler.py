@@ -1,6 +1,6 @@
 import pytest
 
-from skyline.scheduler.admission import AdmissionPolicy, TtftCalibration, prefill_is_faster
+from skyline.scheduler.admission import AdmissionPolicy, TtftCalibration, decide, handoff_wait_ms, prefill_is_faster
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.tiers import DEFAULT_TIERS, SloError, TierNotAllowed, allowed_tiers, resolve_slo, tier_for_ttft
@@ -90,6 +90,27 @@ def test_the_faster_stage_is_admission_controls_prediction_on_each_stages_queue(
     for _ in range(50):
         cal.observe(("decode", "interactive"), 400.0, 100.0)  # the decode worker beats its prediction
     assert not faster({}, {"interactive": 256}, calibration=cal)
+
+
+def test_a_prompt_handed_to_a_busy_decode_worker_waits_for_one_of_its_steps():
+    """The first token of a prompt prefilled in the prefill pool comes from a decode-worker step; while
+    that worker computes prompts of its own, the step carries up to a step's worth of them."""
+    a = AdmissionPolicy(prior_prefill_tokens_per_s=1_000.0, first_token_overhead_ms=150.0, decode_step_tokens=256)
+    rates = {"prefill": 1_000.0, "decode": 1_000.0}
+    assert handoff_wait_ms(a, DEFAULT_TIERS, "interactive", {}, 1_000.0) == 0.0
+    assert handoff_wait_ms(a, DEFAULT_TIERS, "interactive", {"interactive": 100}, 1_000.0) == 100.0
+    assert handoff_wait_ms(a, DEFAULT_TIERS, "interactive", {"interactive": 5_000}, 500.0) == 512.0  # one step
+    assert handoff_wait_ms(a, DEFAULT_TIERS, "interactive", {"batch": 5_000}, 1_000.0) == 0.0  # not ahead
+    # Without the wait, 200 tokens queued on the decode worker sent a 128-token prompt away
+    # (278 < 478 ms); with it the prefill route is 478 ms too, and the prompt stays.
+    def faster(decode: dict) -> bool:
+        return prefill_is_faster(a, DEFAULT_TIERS, "interactive", 128, 128, {"prefill": {}, "decode": decode}, rates)
+
+    assert not faster({"interactive": 200})
+    assert faster({"interactive": 600})  # 534 ms from the prefill pool against 878 ms
+    # Admission on the disaggregated route prices the same wait.
+    d, model = decide(a, DEFAULT_TIERS, "interactive", 1_000, 128, "prefill", {}, None, handoff_ms=256.0)
+    assert d.action == "admit" and d.predicted_ttft_ms == model == 128 + 150 + 256
 
 
 def test_a_tenant_capped_at_a_tier_gets_it_by_default_and_every_looser_one_on_request():

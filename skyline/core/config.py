@@ -322,7 +322,7 @@ class SkylineConfig:
         """The admission policy this config describes (the gateway's and the simulator's)."""
         g = self.gateway
         return AdmissionPolicy(self.worker.prior_prefill_tokens_per_s, g.first_token_overhead_ms, g.sheddable_tiers,
-                               g.max_queued_tokens)
+                               g.max_queued_tokens, self.engine.max_num_batched_tokens)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> SkylineConfig:

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 from skyline.core.config import SkylineConfig, prefill_cap
 from skyline.scheduler.admission import (
-    TtftCalibration, decide, demoted, learn_ttft, pool_rate, prefill_is_faster, stage_of,
+    TtftCalibration, decide, demoted, handoff_wait_ms, learn_ttft, pool_rate, prefill_is_faster, stage_of,
 )
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
@@ -162,8 +162,11 @@ class Simulation:
         else:
             q, ready = self.decode_q, self.decode_ready
         if self.admission is not None:
+            handoff = handoff_wait_ms(self.admission, self.tiers, slo.tier, self.decode_q.backlog,
+                                      self.seen_rate["decode"]) if stage == "prefill" else 0.0
             d, req.model_ttft_ms = decide(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, stage,
-                                          q.backlog, self.seen_rate[stage], self.calibration, self.allow_demotion)
+                                          q.backlog, self.seen_rate[stage], self.calibration, self.allow_demotion,
+                                          handoff)
             if d.action in ("reject", "overloaded"):
                 self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
                 req.outcome = "rejected" if d.action == "reject" else "error"
