@@ -26,14 +26,25 @@ claim it. A request never waits past its slack for affinity, and no worker
 idles while work it could take is past that bound; EDF across tiers is
 unchanged, because a worker still claims the earliest deadline among the heads
 it may claim.
+
+The gateway's decision (`CacheMatch`, `choose`, `PlacedInFlight`). What the
+live gateway (gateway/affinity.py, which reads the cache view in Redis) and
+the simulator's gateway (skyline/tools/simulate/fleet.py, which reads its
+simulated engines) both decide on: each live worker's match and load, the
+requests this gateway placed and has not seen end. One copy, so that a
+simulated fleet places as the live one does (tests/test_rules_shared.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+# A worker whose KV cache is this full would evict to make room: not one to wait for.
+KV_FULL = 0.95
 
 _ROOT = hashlib.blake2b(b"skyline-prefix-chain-v1", digest_size=8).digest()
 
@@ -129,3 +140,101 @@ def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int) -> int:
 def may_claim(me: str, holder: str, now_ms: int, until_ms: int, holder_alive: bool) -> bool:
     """May worker `me` claim an entry placed for `holder` until `until_ms`?"""
     return me == holder or now_ms >= until_ms or not holder_alive
+
+
+class WorkerLoad(Protocol):
+    """What a worker's heartbeat says that placement reads (the live `WorkerInfo`, or a simulated
+    worker's heartbeat)."""
+
+    worker_id: str
+    role: str
+    running: int
+    max_running: int
+    kv_usage: float
+
+
+def overloaded(w: WorkerLoad) -> bool:
+    """Full by its last heartbeat: as many requests as it may hold, or a KV cache about to evict."""
+    return (w.max_running > 0 and w.running >= w.max_running) or w.kv_usage >= KV_FULL
+
+
+@dataclass(frozen=True)
+class CacheMatch:
+    """What the live workers' engines hold of one prompt."""
+
+    prompt_tokens: int
+    block_size: int
+    matched: Mapping[str, int]  # worker id -> leading blocks of the prompt its engine holds
+    workers: tuple[WorkerLoad, ...]  # those reporting a cache of `block_size`
+
+    def holders(self, stage: str, placed: Mapping[str, int] | None = None) -> list[Holder]:
+        """The workers of `stage`, their matches and loads: what they held at their last heartbeat,
+        or what this gateway has placed for them and not seen end (`placed`), whichever is more."""
+        placed = placed or {}
+        return [Holder(w.worker_id, self.matched.get(w.worker_id, 0), overloaded(w),
+                       max(w.running, placed.get(w.worker_id, 0))) for w in self.workers if w.role == stage]
+
+    def uncached_tokens(self, worker: str | None) -> int:
+        """Prompt tokens `worker` would compute (None: a worker not known in advance, so all of them).
+        vLLM computes at least the prompt's last token, even when every block is cached."""
+        if worker is None:
+            return self.prompt_tokens
+        cached = min(self.matched.get(worker, 0) * self.block_size, self.prompt_tokens - 1)
+        return self.prompt_tokens - max(0, cached)
+
+    def best_uncached(self, stage: str) -> int:
+        """Prompt tokens left to compute on the best-placed worker of `stage` that is not full."""
+        ready = [h for h in self.holders(stage) if not h.overloaded]
+        return min((self.uncached_tokens(h.worker) for h in ready), default=self.prompt_tokens)
+
+
+class PlacedInFlight:
+    """The requests this gateway placed for each worker that have not ended yet: load the worker's
+    heartbeat (every second, read every half second) may not show yet. Without it a burst would
+    see the same loads and go to one worker. A worker's load is the larger of the two counts (the
+    heartbeat's covers other gateways and unplaced work, this one what was placed since)."""
+
+    def __init__(self) -> None:
+        self.worker_of: dict[str, str] = {}  # request id -> the worker it was placed for
+        self.count: dict[str, int] = {}
+
+    def add(self, request_id: str, worker: str) -> None:
+        self.done(request_id)
+        self.worker_of[request_id] = worker
+        self.count[worker] = self.count.get(worker, 0) + 1
+
+    def done(self, request_id: str) -> None:
+        """The request ended, or was refused before it was enqueued (idempotent)."""
+        worker = self.worker_of.pop(request_id, None)
+        if worker is not None:
+            self.count[worker] -= 1
+            if not self.count[worker]:
+                del self.count[worker]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where the gateway places one request: the worker, until when it alone may claim it, and how
+    many leading blocks of the prompt its engine holds."""
+
+    worker: str
+    until_ms: int
+    matched_blocks: int
+
+
+def choose(policy: AffinityPolicy, match: CacheMatch | None, stage: str, request_id: str, now_ms: int,
+           deadline_ms: int, in_flight: PlacedInFlight | None = None) -> Choice | None:
+    """The worker of `stage` to place a request for, with its bound; None: the shared queue (with fewer
+    than two workers of the stage the shared queue reaches the same engine anyway). A placement is
+    counted in `in_flight` (the caller says `done` when the request ends or is refused)."""
+    if match is None or not policy.enabled:
+        return None
+    holders = match.holders(stage, in_flight.count if in_flight else None)
+    if len(holders) < 2:
+        return None
+    best = place(policy, holders)
+    if best is None:
+        return None
+    if in_flight is not None:
+        in_flight.add(request_id, best.worker)
+    return Choice(best.worker, wait_bound_ms(policy, now_ms, deadline_ms), best.matched_blocks)

@@ -15,6 +15,7 @@ from skyline.core.keys import Keys
 from skyline.scheduler.prefix import (
     AffinityPolicy,
     Holder,
+    PlacedInFlight,
     block_chain,
     chain_from,
     matched_blocks,
@@ -78,8 +79,6 @@ def test_a_popular_prefix_does_not_draw_every_request_to_its_holder():
 
 
 def test_a_burst_counts_its_own_placements_before_any_heartbeat_does():
-    from skyline.gateway.affinity import PlacedInFlight
-
     placed = PlacedInFlight()
     policy = AffinityPolicy()
     picks = []
