@@ -183,7 +183,12 @@ def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
         if req.background:
             raise ApiError(400, "`background: true` needs a response store, which Skyline does not keep",
                            param="background")
-        return await front.responses.create_responses(req, raw)
+        result = await front.responses.create_responses(req, raw)
+        if hasattr(result, "__anext__"):  # a stream of event objects: SSE as `vllm serve` writes it
+            from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
+
+            return _convert_stream_to_sse_events(result)
+        return result
 
     return create
 
@@ -301,6 +306,11 @@ class _GenerationRoutes:
         before producing anything still gets a real HTTP error status."""
         try:
             first = await chunks.__anext__()
+            # vLLM's Responses stream sends its opening events before it starts the request: they wait
+            # here until the fleet took it, so a request it refuses still gets its HTTP status.
+            while scope.kind == "responses" and first.startswith(_RESPONSE_OPENING):
+                scope.opening.append(first)
+                first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
         except asyncio.CancelledError:
@@ -318,16 +328,22 @@ class _GenerationRoutes:
 async def _sse(scope: RequestScope, first: str | None, chunks: Any) -> AsyncIterator[bytes]:
     """vLLM's chunks as they come. The last one before [DONE] gets the `skyline` extension, so a chunk
     that may be the last (it closes a choice or carries the usage) waits for the next one; content
-    chunks (`"finish_reason":null`) are never held back."""
+    chunks (`"finish_reason":null`) are never held back. A Responses stream (events, no [DONE]) passes
+    through as it is."""
+    # The request's scope, again: the response is iterated after `serve` returned (in a task of
+    # Starlette's, with a copy of the context as it was then), and vLLM's Responses stream starts the
+    # fleet request only after its first events (`FleetClient.generate` reads the scope).
+    SCOPE.set(scope)
     held: str | None = None
+    hold = scope.kind != "responses"
     status = CLIENT_CLOSED
     try:
-        pending = [first] if first is not None else []
-        async for chunk in _chain(pending, chunks):
+        pending = scope.opening + ([first] if first is not None else [])
+        async for chunk in _chain(pending, chunks, scope):
             if held is not None:
                 yield (_with_skyline(held, scope) if chunk == DONE else held).encode()
                 held = None
-            if chunk != DONE and '"finish_reason":null' not in chunk:
+            if hold and chunk != DONE and '"finish_reason":null' not in chunk:
                 held = chunk
             else:
                 yield chunk.encode()
@@ -338,11 +354,22 @@ async def _sse(scope: RequestScope, first: str | None, chunks: Any) -> AsyncIter
         scope.close_all(status)  # sessions still open here were abandoned (client gone mid-stream)
 
 
-async def _chain(head: list[str], rest: Any) -> AsyncIterator[str]:
+async def _chain(head: list[str], rest: Any, scope: RequestScope) -> AsyncIterator[str]:
     for chunk in head:
         yield chunk
-    async for chunk in rest:
-        yield chunk
+    try:
+        async for chunk in rest:
+            yield chunk
+    except ApiError as exc:
+        if scope.kind != "responses":
+            raise
+        # A Responses stream has no error chunk of vLLM's own: its failure event, as the API defines it
+        # (a chat or completion stream's failure is vLLM's error chunk, written by its serving code).
+        yield "event: error\ndata: " + json.dumps({"type": "error", "code": exc.code, "message": exc.message,
+                                                   "param": exc.param, "sequence_number": -1}) + "\n\n"
+
+
+_RESPONSE_OPENING = ("event: response.created\n", "event: response.in_progress\n")
 
 
 def _with_skyline(chunk: str, scope: RequestScope) -> str:

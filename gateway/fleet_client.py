@@ -63,6 +63,7 @@ class RequestScope:
     error: ApiError | None = None  # the first failure before any output
     started: bool = False  # some output was handed to the serving layer
     client_gone: bool = False
+    opening: list[str] = field(default_factory=list)  # a Responses stream's first events, held until the fleet took it
     counted: bool = False  # a status is in the gateway's request counter (a session, or a refusal at the door)
 
     def close_all(self, status: int) -> None:

@@ -200,6 +200,40 @@ def test_failed_frame_becomes_http_error(fleet):
         fut.result()
 
 
+def test_a_responses_stream_relays_vllms_events_and_its_failures(fleet):
+    """/v1/responses, streamed: vLLM's events as `vllm serve` writes them. A request the fleet refuses
+    before its first token gets the HTTP status (vLLM sends its opening events before it starts the
+    request: they wait in the gateway); a failure after it ends the stream with an `error` event."""
+    _gw, client, worker, pool = fleet
+    kw = dict(model=MODEL, input="q", store=False, stream=True)
+
+    def run() -> list:
+        return list(client.responses.create(**kw))
+
+    fut = pool.submit(run)
+    _f, msg = worker.take("prefill")
+    worker.send(*worker.script(msg.request_id, ["Par", "is"]))
+    events = fut.result()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Paris"
+    assert events[-1].response.output_text == "Paris"
+
+    fut = pool.submit(run)
+    _f, msg = worker.take("prefill")
+    worker.send(messages.Failed(msg.request_id, 0, 429, "shed: SLO cannot be met", "rate_limit_error"))
+    with pytest.raises(openai.RateLimitError):
+        fut.result()
+
+    fut = pool.submit(run)
+    _f, msg = worker.take("prefill")
+    worker.send(messages.TokenDelta(msg.request_id, 0, 0, [1], "Par"),
+                messages.Failed(msg.request_id, 1, 500, "engine exploded", "server_error", "engine_error"))
+    events = fut.result()
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Par"
+    assert events[-1].type == "error" and events[-1].message == "engine exploded"
+
+
 def _chat_failing_mid_stream(fleet, send_frames) -> None:
     """A streamed chat whose worker sends "par" then fails: the text arrives, then the error."""
     _gw, client, worker, pool = fleet

@@ -30,8 +30,6 @@ from tests.inprocess import start_fleet, stop_fleet, wait_registered
 MODEL = "sim-model"
 VOCAB = 259  # the sim model's byte tokenizer: ids 0-255 bytes, 256 EOS, 257/258 think markers
 PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
-# (/v1/responses is fuzzed without `stream`: the gateway does not relay a Responses stream yet; a
-# streamed Responses request loses its connection whatever its input.)
 API_KEY = "fuzz-key"  # the served gateway checks keys, so the fuzzed `authorization` header is checked too
 FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.001, decode_per_seq_s=0.0)
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -190,7 +188,6 @@ def test_fuzzed_bodies_get_openai_errors_never_500(gateway, body, path):
 @FUZZ
 @given(sent=headers, path=st.sampled_from(PATHS), stream=st.booleans())
 def test_fuzzed_headers_are_served_or_refused_never_500(served, sent, path, stream):
-    stream = stream and path != "/v1/responses"
     assert_served_or_refused(post_served(served, path, small_request(path, stream), sent))
 
 

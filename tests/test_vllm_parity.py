@@ -370,6 +370,26 @@ def test_responses_api_stateless(clients):
     assert got.output_text == want.output_text and got.status == want.status
 
 
+def test_responses_api_streams_vllms_events(clients):
+    """The same events in the same order as `vllm serve` (runs of text deltas collapsed: the fleet's
+    frames may carry several tokens each) and the same text."""
+    ref, sky = clients
+    kw = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=16, store=False,
+              stream=True)
+
+    def run(client) -> tuple[list[str], str]:
+        types: list[str] = []
+        text = ""
+        for event in client.responses.create(**kw):
+            if not types or types[-1] != event.type:
+                types.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        return types, text
+
+    assert run(sky) == run(ref)
+
+
 # ---- 8. errors ---------------------------------------------------------------------------------------
 
 ERROR_CASES = [
