@@ -548,3 +548,123 @@ async def test_a_kv_handle_expires_as_the_live_decode_worker_sees_it(monkeypatch
         assert (w.arriving > arriving) == (handle is not None), age_s
         seen.append(why)
     assert seen == ["", "", "", "handle_expired", "handle_expired"]
+
+
+# -- prefix affinity: the gateway's placement and the lane rule ----------------------------------------------
+
+
+def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monkeypatch):
+    """A multi-turn workload on three colocated workers with prefix caches: at every request the simulated
+    gateway places, the live gateway (`gateway.affinity`: the cache view's replies parsed, `placement` with
+    its own in-flight count) is asked in the same state; at every claim a simulated worker makes while
+    work is placed, the live consumer's `TierQueues.heads_of` and `pick` (the lane rule, `may_claim`)."""
+    from skyline.core import streams as live_streams
+    from skyline.core.fleet import WorkerInfo
+    from skyline.core.keys import Keys
+    from skyline.gateway import affinity as live_affinity
+    from skyline.scheduler import prefix
+    from skyline.tools.bench.multiturn import MultiturnSpec
+    from skyline.tools.bench.workload import WorkloadSpec
+    from skyline.tools.simulate import fleet as sim_fleet
+    from skyline.tools.simulate import queues as sim_queues
+    from skyline.tools.simulate import sessions
+
+    cfg = _config("decode", max_running=4)
+    cfg = replace(cfg, gateway=replace(cfg.gateway, mode="colocated", affinity_max_wait_ms=400))
+    model = HandModel("c", 2_000.0, max_step_tokens=512, step_s=0.02)
+    model.block_size = 16
+    sim = Simulation(cfg, FleetSpec("colocated", 0, 3), model, model, prefix_cache=True)
+    clock = lambda: int(sim.loop.now * 1000)
+    monkeypatch.setattr(live_affinity, "now_ms", clock)
+    monkeypatch.setattr(live_streams, "now_ms", clock)
+    keys = Keys("twin")
+    live_placed = prefix.PlacedInFlight()
+    log: list = []
+
+    real_choose = sim_fleet.choose
+
+    def choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight=None):
+        req = next(r for r in pending if f"r{r.index}" == request_id)
+        workers = [WorkerInfo(b.worker_id, b.role, "sim", "m", "h", 0, b.running, 0, b.kv_usage, 0.0, 0.0,
+                              max_running=b.max_running, cache_block_size=16) for b in match.workers]
+        chain = req.chain[:req.prompt_blocks]
+        look = live_affinity.LookUp(req.prompt_tokens, 16, chain, tuple(workers))
+        # The cache view's ZMSCORE replies: a score for each block the worker's engine holds.
+        replies = [[1 if h in sim.workers[w.worker_id].cache.blocks else None for h in chain] for w in workers]
+        live_match = look.result(replies)
+        gen = messages.GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1] * req.prompt_tokens,
+                                       sampling=messages.SamplingSpec(max_tokens=req.max_tokens), tier=req.tier,
+                                       arrival_ms=now_ms, deadline_ms=deadline_ms, ttft_ms=0, tpot_ms=0)
+        live = live_affinity.placement(policy, live_match, stage, gen, live_placed)
+        got = real_choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight)
+        assert (got and (got.worker, got.until_ms, got.matched_blocks)) == \
+            (live and (live.worker, live.until_ms, live.matched_blocks)), f"placements differ for {request_id}"
+        assert dict(match.matched) == live_match.matched
+        for w in [None] + [b.worker_id for b in match.workers]:
+            assert match.uncached_tokens(w) == live_match.uncached_tokens(w)
+        assert match.best_uncached(stage) == live_match.best_uncached(stage)
+        log.append(("placed", got.worker if got else None))
+        return got
+
+    real_on_done = sim.on_done
+
+    def on_done(req):  # the live gateway's session closes: its placement no longer loads the worker
+        real_on_done(req)
+        live_placed.done(f"r{req.index}")
+        assert live_placed.count == sim.placed.count
+
+    sim.on_done = on_done
+    monkeypatch.setattr(sim_fleet, "choose", choose)
+
+    real_claim_as = sim_queues.StageQueues.claim_as
+
+    def claim_as(q, me, now_ms, max_rank=None):
+        tq = live_streams.TierQueues(None, keys, q.stage, cfg.tiers, me)
+        tq.live = set(sim.workers)
+        entries, owner = [], {}
+        lanes = [(t, key, lane) for t in q.tier_order
+                 for key, lane in ((keys.stream(q.stage, t), q.queues[t]), (keys.retry_stream(q.stage, t), q.retry[t]))]
+        for w, by_tier in q.placed.items():
+            for t, lane in by_tier.items():
+                key = keys.affinity_lane(q.stage, t, w)
+                tq.holder_of[key], tq.tier_of[key] = w, t
+                lanes.append((t, key, lane))
+        for _t, key, lane in lanes:
+            if lane:
+                head = lane[0][0]
+                fields = {b"deadline_ms": int(head.deadline * 1000), b"prompt_tokens": head.prompt_tokens}
+                if key in tq.holder_of:
+                    fields[b"until_ms"] = head.until_ms
+                entries.append((key, fields))
+                owner[key] = head
+        heads = tq.heads_of(entries)
+        tier = tq.pick(heads)
+        live = owner[heads[tier].stream] if tier else None
+        item = real_claim_as(q, me, now_ms, max_rank)
+        got = item[0] if item else None
+        assert got is live, f"claims differ at {now_ms} ms for {me}: simulated {got and _rid(got)}, live {live and _rid(live)}"
+        kind = None if got is None else "own" if got.placed_for == me else "shared" if got.placed_for is None else "other"
+        log.append(("claim", kind))
+        return item
+
+    monkeypatch.setattr(sim_queues.StageQueues, "claim_as", claim_as)
+
+    spec = WorkloadSpec(mix=0.8, chat_prompt=(30, 200), rag_prompt=(600, 900), chat_output=(8, 24),
+                        rag_output=(8, 24))
+    first = sessions.synthetic(spec, MultiturnSpec(turns=(3, 5), think_s=0.3, rag_docs=2, max_prompt_tokens=1200),
+                               6.0, 60, lambda c: (1500, 1e9), 16)
+    pending = [r for q in first for r in _turns(q)]
+    reqs = list(first)
+    sim.run(reqs, 60.0)
+    assert len(reqs) > len(first) and all(r.outcome == "ok" for r in reqs)
+    placed = [w for k, w in log if k == "placed"]
+    assert len({w for w in placed if w}) == 3 and None in placed, "placements on every worker, and the shared queue"
+    claims = [k for kind, k in log if kind == "claim"]
+    assert {"own", "shared", "other", None} <= set(claims), Counter(claims)  # incl. past a bound, and a deferral
+    assert sum(r.cached_tokens for r in reqs) > 0
+
+
+def _turns(req):
+    while req is not None:
+        yield req
+        req = req.next_turn

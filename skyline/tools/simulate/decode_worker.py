@@ -111,6 +111,7 @@ class DecodeWorker:
         self._coeffs = self.perf.decode_coeffs
         self.loop = sim.loop
         self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
+        self.cache = None  # its engine's prefix cache (prefix_cache.PrefixCache), when the fleet models one
 
     # -- room and claims ---------------------------------------------------------------
 
@@ -140,8 +141,10 @@ class DecodeWorker:
             if not room:
                 break
             item = claim_for(self, q, self.local)
-            if item is None:  # shielded: only looser tiers wait
-                return  # out of the ready queue: nothing there is its to take; its own steps claim again
+            if item is None:  # shielded and only looser tiers wait, or only work placed for others
+                if self.claims.shield is not None:
+                    return  # out of the ready queue: nothing there is its to take; its own steps claim again
+                break
             room = None
             limit -= 1
             req, prefill_end = item
@@ -153,6 +156,8 @@ class DecodeWorker:
                 sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
             else:
                 self.preempt(req)  # live: a prompt computed here competes for the step budget
+                if self.cache is not None and req.chain is not None:
+                    req.cached_tokens = self.cache.hit(req)  # the engine computes only the rest
                 self._order += 1
                 self.local.append(_Local(req, self._order, now))
                 self.local_tokens += req.prompt_tokens
@@ -248,6 +253,8 @@ class DecodeWorker:
         self.B -= 1
         self.C -= req.prompt_tokens + req.max_tokens
         req.done_t = t_done
+        if self.cache is not None and req.chain is not None:
+            self.cache.finished(req)  # its prompt's and answer's blocks stay cached
         if self.segments is not None:
             req.itl_s = self._itls(m.first_step, m.end_step)
         if self.headroom > 0:  # _release_tpot, inlined
@@ -265,6 +272,8 @@ class DecodeWorker:
         end_step = first_step + req.max_tokens - 1
         if end_step <= self.k:  # a one-token request finished with its prefill
             req.done_t = req.first_t
+            if self.cache is not None and req.chain is not None:
+                self.cache.finished(req)
             self._release_tpot(req)
             self.sim.on_done(req)
             return
@@ -378,7 +387,9 @@ class DecodeWorker:
                 # colocated prompt off the backlog: it is no longer work ahead of anyone.
                 self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
                 if req.route == "colocated":
-                    self.sim.decode_q.release(req.tier, req.prompt_tokens)
+                    self.sim.decode_q.release(req.tier, req.backlog_tokens)
+                if self.cache is not None and req.chain is not None:
+                    self.cache.store(req.chain, req.prompt_blocks)  # other prompts may use them from now
                 req.first_t = now  # the step that finishes a prompt samples its first token
                 self._join(req, produced=1)
         if self.headroom > 0 and now - self.pace_at >= PACE_READ_S:

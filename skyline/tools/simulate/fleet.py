@@ -15,6 +15,19 @@ XREADGROUP do: an entry goes to the longest-waiting worker with room; a
 worker that frees room claims while it has some (`prefill_worker.py`,
 `decode_worker.py`).
 
+Prefix caches and affinity (`prefix_cache=True`; requests with a chain, sessions.py): every
+engine has an LRU prefix cache (prefix_cache.py), and the gateway decides as
+`gateway/dispatch.py` does on the same view, with scheduler/prefix.py's
+`CacheMatch` and `choose`: each worker's match (its cache, read when the
+request arrives; live, the cache view trails the engine by a heartbeat), its
+load as its last heartbeat said it and what this gateway placed for it and has
+not seen end (`PlacedInFlight`); the route and admission count the tokens left
+to compute where it goes. A placed request waits in its worker's affinity lane
+(queues.py), which others may claim from once its bound passes (`may_claim`);
+the fleet wakes waiting workers then. Fleet-level preemption looks only at the
+shared streams' heads. A multi-turn session's next turn is sent a think time
+after its answer ended (`SimRequest.next_turn`), as the bench's driver does.
+
 Not modelled: Redis and network failures, cancellation by clients, the
 worker's stream reclaim (XAUTOCLAIM), heartbeat loss. The fleet's own hops
 (gateway, Redis, pub/sub: 4 ms measured by `skyline bench overhead`) are added
@@ -34,12 +47,14 @@ from skyline.scheduler.admission import (
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
+from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, choose
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import resolve_slo
 from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.events import EventLoop
 from skyline.tools.simulate.perf import PerfModel
 from skyline.tools.simulate.prefill_worker import PrefillWorker
+from skyline.tools.simulate.prefix_cache import PrefixCache
 from skyline.tools.simulate.queues import StageQueues
 from skyline.tools.simulate.request import SimRequest
 
@@ -66,10 +81,12 @@ class FleetSpec:
 class Simulation:
     def __init__(self, cfg: SkylineConfig, fleet: FleetSpec, perf_prefill: PerfModel, perf_decode: PerfModel,
                  record_itl: bool = False, allow_demotion: bool = False, overhead_s: float = FLEET_OVERHEAD_S,
-                 neighbour_slowdown: float = 1.0):
+                 neighbour_slowdown: float = 1.0, prefix_cache: bool = False):
         """`neighbour_slowdown` != 1: prefill worker i and decode worker i share one host's cores (as
         `skyline up` places them on a 2-core machine), and a step of either costs that factor more
-        while the other engine is busy (measured by `skyline profile --handoff`)."""
+        while the other engine is busy (measured by `skyline profile --handoff`). `prefix_cache`:
+        engines cache the blocks of requests that carry a chain, and the gateway places those
+        requests by them (`[gateway] prefix_affinity` and its options)."""
         if fleet.mode not in ("disagg", "colocated"):
             raise ValueError(f"unknown fleet mode {fleet.mode!r}")
         if fleet.decode < 1 or (fleet.mode == "disagg" and fleet.prefill < 1):
@@ -130,6 +147,22 @@ class Simulation:
         self.counters = {"admitted": 0, "rejected": 0, "overloaded": 0, "demoted": 0, "preempted": 0,
                          "completed": 0, "handle_expired": 0}
         self.completed = 0
+        self.sent_later: list[SimRequest] = []  # later turns of sessions, sent during the run
+        self.end = 0.0
+        # Prefix caches: one per engine, and what the gateway reads to place requests.
+        self.caching = prefix_cache
+        self.affinity = cfg.affinity_policy() if prefix_cache and cfg.gateway.prefix_affinity else None
+        self.placed = PlacedInFlight()
+        self.block_size = perf_decode.block_size
+        self.workers = {w.name: w for w in self.prefill_workers + self.decode_workers}
+        # The heartbeats as the gateway's fleet view holds them (scheduler.prefix.WorkerLoad).
+        self._beats = {role: tuple(SimpleNamespace(worker_id=w.name, role=role, running=0, kv_usage=0.0,
+                                                   max_running=cfg.worker.max_running) for w in pool)
+                       for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
+        if prefix_cache:
+            for w in self.prefill_workers + self.decode_workers:
+                perf = perf_prefill if w in self.prefill_workers else perf_decode
+                w.cache = PrefixCache(perf.kv_capacity_tokens // perf.block_size, perf.block_size)
 
     # -- the gateway ------------------------------------------------------------------------------
 
@@ -149,25 +182,39 @@ class Simulation:
         slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
+        n = req.prompt_tokens
+        match = self._match(req) if req.chain is not None and self.caching else None
+        left = match.best_uncached("decode") if match is not None else n  # the route counts what is left
         faster = None
         if self.admission is not None and self.prefill_workers:  # as the live gateway: with the backlog read
             def faster() -> bool:
-                return prefill_is_faster(self.admission, self.tiers, slo.tier, req.prompt_tokens, req.prompt_tokens,
+                return prefill_is_faster(self.admission, self.tiers, slo.tier,
+                                         match.best_uncached("prefill") if match is not None else n, left,
                                          {"prefill": self.prefill_q.backlog, "decode": self.decode_q.backlog},
                                          self.seen_rate, self.calibration)
-        req.route = path = route(self.disagg, req.prompt_tokens, self.seen_prefill_backlog, faster)
+        req.route = path = route(self.disagg, left, self.seen_prefill_backlog, faster)
         stage = stage_of(path)
         if stage == "prefill":
             q, ready = self.prefill_q, self.prefill_ready
         else:
             q, ready = self.decode_q, self.decode_ready
+        if match is not None:  # dispatch.py `_placed`: the worker to wait for, and what it has left to compute
+            placed = choose(self.affinity, match, stage, f"r{req.index}", int(now * 1000), int(req.deadline * 1000),
+                            self.placed) if self.affinity is not None else None
+            if placed is not None:
+                req.placed_for, req.until_ms = placed.worker, placed.until_ms
+            holders = self._beats[stage]
+            worker = placed.worker if placed else holders[0].worker_id if len(holders) == 1 else None
+            req.backlog_tokens = n = match.uncached_tokens(worker)
         if self.admission is not None:
             handoff = handoff_wait_ms(self.admission, self.tiers, slo.tier, self.decode_q.backlog,
                                       self.seen_rate["decode"]) if stage == "prefill" else 0.0
-            d, req.model_ttft_ms = decide(self.admission, self.tiers, slo.tier, slo.ttft_ms, req.prompt_tokens, stage,
+            d, req.model_ttft_ms = decide(self.admission, self.tiers, slo.tier, slo.ttft_ms, n, stage,
                                           q.backlog, self.seen_rate[stage], self.calibration, self.allow_demotion,
                                           handoff)
             if d.action in ("reject", "overloaded"):
+                if req.placed_for is not None:
+                    self.placed.done(f"r{req.index}")  # refused: it loads nobody
                 self.counters["rejected" if d.action == "reject" else "overloaded"] += 1
                 req.outcome = "rejected" if d.action == "reject" else "error"
                 req.decision = d.reason
@@ -182,25 +229,59 @@ class Simulation:
         tier = req.tier
         req.rank = rank = self.tier_rank[tier]
         self.ranks_seen.add(rank)
-        q.backlog[tier] += req.prompt_tokens  # q.reserve and q.push, inlined (once per request)
-        q.queues[tier].append((req, None))
-        q.size += 1
+        q.backlog[tier] += n  # q.reserve and q.push, inlined (once per request)
+        if req.placed_for is not None:
+            self._push_placed(q, ready, req, None)
+        else:
+            q.queues[tier].append((req, None))
+            q.size += 1
         # New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order); each
         # claims if it has room and re-queues itself at the tail while it has room (a shielded worker that
         # finds nothing it may take leaves the queue).
-        while q.size and ready:
+        while q.size > q.placed_size and ready:
             w = ready.popleft()
             w.in_ready = False
             w.claim_while_room(1)
         if q.size and self.preemption.enabled:
             self._arm_preemption()
 
+    def _match(self, req: SimRequest) -> CacheMatch:
+        """What each worker's engine holds of the request's prompt, and the workers' heartbeats: the
+        live gateway's `CacheMatch` (there read from the cache view in Redis)."""
+        chain, blocks = req.chain, req.prompt_blocks
+        return CacheMatch(req.prompt_tokens, self.block_size,
+                          {w.name: w.cache.held(chain, blocks) for w in self.workers.values()},
+                          self._beats["prefill"] + self._beats["decode"])
+
+    def _push_placed(self, q, ready, req: SimRequest, prefill_end) -> None:
+        """Into the affinity lane of the worker the request was placed for: that worker claims it if it is
+        waiting for work; any other once the bound passes (the fleet wakes the waiting ones then)."""
+        q.push_placed(req, (req, prefill_end), req.placed_for)
+        w = self.workers[req.placed_for]
+        if w.in_ready:
+            ready.remove(w)
+            w.in_ready = False
+            w.claim_while_room(1)
+        self.loop.at(req.until_ms / 1000, self._bound_passed, (q, ready))
+
+    def _bound_passed(self, arg) -> None:
+        """A placed request's bound passed: the workers waiting for work may claim it now (live: their
+        blocked read of the lanes they may take from times out at the first bound)."""
+        q, ready = arg
+        now_ms = int(self.loop.now * 1000)
+        for _ in range(len(ready)):
+            if not ready or not q.placed_size or not q.claimable(ready[0].name, now_ms):
+                return
+            w = ready.popleft()
+            w.in_ready = False
+            w.claim_while_room(1)
+
     def to_decode(self, req: SimRequest, kv_from_prefill: bool) -> None:
         """A prefill worker hands the request (and its KV handle) to the decode stage."""
         q, ready = self.decode_q, self.decode_ready
         q.queues[req.tier].append((req, self.loop.now if kv_from_prefill else None))  # q.push, inlined
         q.size += 1
-        while q.size and ready:  # to the workers blocked longest, as in `arrive`
+        while q.size > q.placed_size and ready:  # to the workers blocked longest, as in `arrive`
             w = ready.popleft()
             w.in_ready = False
             w.claim_while_room(1)
@@ -210,6 +291,17 @@ class Simulation:
         self.completed += 1
         if self.calibration is not None:  # the gateway's `learn` hook
             learn_ttft(self.calibration, req.route, req.tier, req.model_ttft_ms, req.ttft_s * 1000)
+        if req.placed_for is not None:
+            self.placed.done(f"r{req.index}")
+        nxt = req.next_turn
+        if nxt is not None:  # the session's next turn: a think time after the client got the answer
+            nxt.send_at = req.done_t + self.overhead_s + nxt.think_s
+            self.loop.at(nxt.send_at, self._send_turn, nxt)
+
+    def _send_turn(self, req: SimRequest) -> None:
+        if self.loop.now <= self.end:  # (after the drain deadline the bench sends nothing more)
+            self.sent_later.append(req)
+            self.arrive(req)
 
     # -- periodic fleet activity ----------------------------------------------------------------------
 
@@ -232,6 +324,12 @@ class Simulation:
         view = self._view
         for w, info in zip(self.prefill_workers + self.decode_workers, view.workers):
             info.tokens_per_s = w.rate_cache[1]
+        if self.caching:  # the load placement reads: running requests and KV usage, as heartbeated
+            for w, beat in zip(self.prefill_workers, self._beats["prefill"]):
+                beat.running = len(w.held)
+            for w, beat in zip(self.decode_workers, self._beats["decode"]):
+                beat.running = w.B + w.arriving + len(w.local) + len(w.joining)
+                beat.kv_usage = (w.C + w.reserved) / w.kv_capacity
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
@@ -263,12 +361,14 @@ class Simulation:
 
     def run(self, requests: list[SimRequest], drain_s: float) -> float:
         """Serve `requests` (sorted by send time); returns the bench's duration (first send to last
-        completion, or to the drain deadline when stragglers were cut)."""
+        completion, or to the drain deadline when stragglers were cut). Later turns of sessions that
+        were sent during the run are appended to `requests`."""
         if not requests:
             return 0.0
         self._refresh()
-        end = requests[-1].send_at + drain_s
+        end = self.end = requests[-1].send_at + drain_s
         self.loop.run(end, ((r.send_at, r) for r in requests), self.arrive)
+        requests.extend(self.sent_later)
         finished = [r.done_t for r in requests if r.outcome == "ok"]
         cut = any(r.outcome == "cancelled" for r in requests)
         return end if cut or not finished else max(finished) + self.overhead_s
@@ -276,7 +376,10 @@ class Simulation:
     def describe(self) -> dict:
         return {"fleet": self.fleet.label, "mode": self.fleet.mode, "prefill_workers": len(self.prefill_workers),
                 "decode_workers": len(self.decode_workers),
-                "devices": self.fleet.devices(self.perf_prefill, self.perf_decode), "counters": dict(self.counters)}
+                "devices": self.fleet.devices(self.perf_prefill, self.perf_decode), "counters": dict(self.counters),
+                **({"prefix_cache": {"affinity": self.affinity is not None, "block_size": self.block_size,
+                                     "evicted_blocks": sum(w.cache.evicted for w in self.workers.values())}}
+                   if self.caching else {})}
 
 
 def with_overrides(cfg: SkylineConfig, admission: bool | None = None, preemption: bool | None = None,

@@ -58,10 +58,25 @@ def add_simulate_parser(sub) -> None:
     fleet.add_argument("--tpot-headroom", type=float,
                        help="decode workers claim only while their streams' time per token is under this fraction "
                             "of the tightest TPOT target (default: the config's; 0 = no such rule)")
+    fleet.add_argument("--affinity", default="on", choices=["on", "off", "both"],
+                       help="prefix affinity for requests with shared prefixes (--workload multiturn, a multi-turn "
+                            "trace): on (the config's [gateway] affinity options), off (the shared queue only), or "
+                            "both: each fleet twice, named -affinity / -no-affinity, to show what it buys. Engines "
+                            "model their prefix caches either way")
     fleet.add_argument("--step-tokens", type=int, help="tokens per engine step (chunked prefill); default: the "
                                                        "profile's, or 8192 on GPUs")
 
     wl = p.add_argument_group("workload (as `skyline bench run`)")
+    wl.add_argument("--workload", default="mixed", choices=["mixed", "multiturn"],
+                    help="mixed: independent requests (default); multiturn: the bench's sessions (conversations over "
+                         "a shared system prompt, RAG questions over shared documents; rates are sessions/s), with "
+                         "prefix caches and affinity (docs/simulator.md)")
+    wl.add_argument("--turns", default="3-5", help="multiturn: turns per conversation LO-HI (default 3-5)")
+    wl.add_argument("--think-s", type=float, default=1.5,
+                    help="multiturn: mean think time (s, exponential) between an answer and the next turn")
+    wl.add_argument("--rag-docs", type=int, default=3, help="multiturn: shared documents of the RAG questions")
+    wl.add_argument("--max-prompt-tokens", type=int, default=1800,
+                    help="multiturn: a conversation ends before a prompt longer than this")
     wl.add_argument("--rates", help="comma-separated request rates (req/s)")
     wl.add_argument("--duration", type=float, help="seconds of arrivals per rate")
     wl.add_argument("--num-requests", type=int, help="requests per rate (instead of --duration)")

@@ -32,6 +32,7 @@ class PerfModel(abc.ABC):
     max_step_tokens: int = 8192  # tokens per engine step (vLLM max_num_batched_tokens)
     kv_bytes_per_token: float = 0.0
     kv_capacity_tokens: int = 1 << 30  # KV cache of one engine, in tokens
+    block_size: int = 16  # KV block (and prefix-cache) size in tokens: vLLM's default on GPUs
 
     @abc.abstractmethod
     def prefill_step_s(self, chunks: Sequence[Chunk]) -> float:
@@ -56,7 +57,7 @@ class PerfModel(abc.ABC):
     def describe(self) -> dict:
         """What the report says about the model (name, key figures)."""
         return {"name": self.name, "devices_per_engine": self.devices, "max_step_tokens": self.max_step_tokens,
-                "kv_capacity_tokens": self.kv_capacity_tokens}
+                "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size}
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

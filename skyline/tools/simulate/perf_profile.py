@@ -36,6 +36,8 @@ from pathlib import Path
 
 from skyline.tools.simulate.perf import Chunk, PerfModel, interp
 
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16  # vLLM's default KV block sizes
+
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope); slope 0 through one point."""
@@ -60,6 +62,9 @@ class ProfileModel(PerfModel):
         self.max_step_tokens = int(profile["max_step_tokens"])
         self.kv_bytes_per_token = float(profile["kv_bytes_per_token"])
         self.kv_capacity_tokens = int(profile["kv_capacity_tokens"])
+        # vLLM's block: 128 tokens on CPU (a profile of no GPU), 16 on GPUs, unless the profile says
+        self.block_size = int(profile.get("block_size") or (CPU_BLOCK_SIZE if not profile.get("gpus_per_engine")
+                                                           else GPU_BLOCK_SIZE))
         kv = profile["kv_transfer"]
         self.kv_latency_s = float(kv["latency_s"]) if handoff_s is None else handoff_s
         self.kv_bytes_per_s = float(kv["bytes_per_s"]) if kv.get("bytes_per_s") else None

@@ -51,6 +51,7 @@ class PrefillWorker:
         self.shaper = StepShaper(urgent_priority=sim.urgent_priority, step_tokens=sim.perf_prefill.max_step_tokens,
                                  prefill_cap=sim.prefill_cap, background=sim.prefill_background,
                                  max_held=sim.max_held_steps)
+        self.cache = None  # its engine's prefix cache (prefix_cache.PrefixCache), when the fleet models one
 
     # -- claiming ------------------------------------------------------------------
 
@@ -68,11 +69,14 @@ class PrefillWorker:
             if not room:
                 break
             item = claim_for(self, q, self.held)
-            if item is None:  # shielded: only looser tiers wait
-                shielded = True  # out of the ready queue: nothing there is its to take; its steps claim again
+            if item is None:  # shielded and only looser tiers wait, or only work placed for others
+                # Shielded: out of the ready queue, nothing there is its to take; its steps claim again.
+                shielded = self.claims.shield is not None
                 break
             limit -= 1
             req, _ = item
+            if self.cache is not None and req.chain is not None:
+                req.cached_tokens = self.cache.hit(req)  # the engine computes only the rest
             self.preempt(req)  # live: every claimed prompt competes for the step budget
             self._order += 1
             now = sim.loop.now
@@ -143,7 +147,9 @@ class PrefillWorker:
         req.prefill_end = now
         self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
         sim = self.sim
-        sim.prefill_q.backlog[req.tier] -= req.prompt_tokens  # ack: off the backlog (q.release, inlined)
+        sim.prefill_q.backlog[req.tier] -= req.backlog_tokens  # ack: off the backlog (q.release, inlined)
+        if self.cache is not None and req.chain is not None:
+            self.cache.store(req.chain, req.prompt_blocks)
         sim.to_decode(req, kv_from_prefill=True)
 
     # -- fleet-level preemption ---------------------------------------------------------------

@@ -9,6 +9,15 @@ is the earlier-due of its queue's and its retry lane's (a tie, to the ms, goes
 to the retry lane: `scheduler.edf.retry_first`). Work that still needs its prompt computed adds its prompt
 tokens to the stage's backlog when enqueued (or when admission reserved
 them) and removes them when acked.
+
+Affinity lanes (`push_placed`, `claim_as`): work the gateway placed for one
+worker's prefix cache, per worker and tier, as the live `skyline:{stage}:<tier>:@<worker>`
+streams. Their head counts among a tier's heads for that worker, and for any
+other once its bound has passed (`scheduler.prefix.may_claim`); among one
+tier's lanes the earliest deadline wins, a tie going to the lane read first
+(the stream, its retry lane, then the affinity lanes by worker), as
+`TierQueues.heads_of` picks. Without placed work (`placed_size` 0) none of
+this runs.
 """
 
 from __future__ import annotations
@@ -16,11 +25,12 @@ from __future__ import annotations
 from collections import deque
 
 from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.scheduler.prefix import may_claim
 from skyline.tools.simulate.request import SimRequest
 
 
 class StageQueues:
-    __slots__ = ("backlog", "queues", "retry", "retry_size", "size", "stage", "tier_order")
+    __slots__ = ("backlog", "placed", "placed_size", "queues", "retry", "retry_size", "size", "stage", "tier_order")
 
     def __init__(self, stage: str, tier_order: tuple[str, ...]):
         self.stage = stage
@@ -28,8 +38,10 @@ class StageQueues:
         self.queues: dict[str, deque] = {t: deque() for t in tier_order}
         self.retry: dict[str, deque] = {t: deque() for t in tier_order}  # work returned to the queue
         self.backlog: dict[str, int] = {t: 0 for t in tier_order}  # prompt tokens admitted, not yet prefilled
-        self.size = 0
+        self.size = 0  # entries waiting, affinity lanes included
         self.retry_size = 0
+        self.placed: dict[str, dict[str, deque]] = {}  # worker -> tier -> its affinity lane (by worker name)
+        self.placed_size = 0  # entries in affinity lanes
 
     def push(self, req: SimRequest, item) -> None:
         self.queues[req.tier].append(item)
@@ -61,10 +73,70 @@ class StageQueues:
         return out
 
     def head(self):
-        """The entry EDF serves next, without claiming it (None when empty)."""
-        if not self.size:
+        """The entry EDF serves next from the shared streams, without claiming it (None when empty)."""
+        if self.size == self.placed_size:
             return None
         return self._lane(pick_tier(self.heads(), self.tier_order))[0]
+
+    def push_placed(self, req: SimRequest, item, worker: str) -> None:
+        """An entry placed for `worker` (its affinity lane of the request's tier)."""
+        lanes = self.placed.get(worker)
+        if lanes is None:
+            self.placed[worker] = {t: deque() for t in self.tier_order}
+            self.placed = dict(sorted(self.placed.items()))  # read in the live consumer's order
+            lanes = self.placed[worker]
+        lanes[req.tier].append(item)
+        self.size += 1
+        self.placed_size += 1
+
+    def claimable(self, me: str, now_ms: int) -> bool:
+        """Is any entry waiting that worker `me` may claim now?"""
+        if self.size > self.placed_size:
+            return True
+        for worker, lanes in self.placed.items():
+            for lane in lanes.values():
+                if lane and may_claim(me, worker, now_ms, lane[0][0].until_ms, True):
+                    return True
+        return False
+
+    def next_bound_ms(self) -> int | None:
+        """The earliest bound among the affinity lanes' heads (None: no placed work)."""
+        bounds = [lane[0][0].until_ms for lanes in self.placed.values() for lane in lanes.values() if lane]
+        return min(bounds, default=None)
+
+    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
+        """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
+        the shared streams, others' lanes past their bound), or None."""
+        tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
+        heads: dict[str, int] = {}
+        chosen: dict[str, deque] = {}
+        for t in tiers:
+            best, due = None, 0
+            main, retry = self.queues[t], self.retry[t]
+            if main:
+                best, due = main, int(main[0][0].deadline * 1000)
+            if retry:
+                d = int(retry[0][0].deadline * 1000)
+                if best is None or retry_first(d, due):
+                    best, due = retry, d
+            for worker, lanes in self.placed.items():
+                lane = lanes[t]
+                if lane and may_claim(me, worker, now_ms, lane[0][0].until_ms, True):
+                    d = int(lane[0][0].deadline * 1000)
+                    if best is None or not retry_first(due, d):  # earlier than the head so far; a tie keeps it
+                        best, due = lane, d
+            if best is not None:
+                heads[t], chosen[t] = due, best
+        if not heads:
+            return None
+        lane = chosen[pick_tier(heads, self.tier_order)]
+        item = lane.popleft()
+        self.size -= 1
+        if lane is self.retry[item[0].tier]:
+            self.retry_size -= 1
+        elif lane is not self.queues[item[0].tier]:
+            self.placed_size -= 1
+        return item
 
     def claim(self, max_rank: int | None = None):
         """Take the entry EDF serves next (None when empty), among the tiers of rank <= `max_rank` if given."""

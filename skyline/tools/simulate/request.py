@@ -17,7 +17,14 @@ class SimRequest:
         "index", "cls", "send_at", "prompt_tokens", "max_tokens", "ttft_target_ms", "tpot_target_ms",
         # prompt tokens the engine finds in its prefix cache (a replayed trace's measured hits; else 0)
         "cached_tokens",
-        "oracle_cached_tokens",  # as BenchRecord's: None, the simulator has no oracle (bench/oracle.py)
+        "oracle_cached_tokens",  # as BenchRecord's (bench/oracle.py): a replayed trace's, else None
+        # Its prefix identity (None: a prompt that shares nothing, the single-turn workloads): the block
+        # chain (scheduler/prefix.py) of its prompt followed by its answer, and how many of those blocks
+        # are the prompt's; a multi-turn session's next turn (sent a think time after this one ends).
+        "chain", "prompt_blocks", "session", "turn", "next_turn", "think_s",
+        # prompt tokens the gateway counted as left to compute (admission's backlog), and the worker it
+        # placed the request for (None: the shared queue) with the bound of that wait (virtual ms)
+        "backlog_tokens", "placed_for", "until_ms",
         # Skyline's view: tier after SLO resolution (and demotion), deadline, route
         "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms", "tpot_ms",
         # timeline (virtual seconds)
@@ -42,12 +49,24 @@ class SimRequest:
         self.server_prompt_tokens = prompt_tokens
         self.cached_tokens = 0
         self.oracle_cached_tokens = None
+        self.chain = None
+        self.prompt_blocks = 0
+        self.session = self.turn = None
+        self.next_turn = None
+        self.think_s = 0.0
+        self.backlog_tokens = prompt_tokens
+        self.placed_for = None
+        self.until_ms = 0
 
     def resent(self) -> SimRequest:
         """The same request, not yet served (to replay one trace on several fleets)."""
         req = SimRequest(self.index, self.cls, self.requested_tier, self.send_at, self.prompt_tokens, self.max_tokens,
                          self.ttft_target_ms, self.tpot_target_ms)
         req.cached_tokens = self.cached_tokens
+        req.oracle_cached_tokens = self.oracle_cached_tokens
+        req.chain, req.prompt_blocks, req.session, req.turn = self.chain, self.prompt_blocks, self.session, self.turn
+        req.think_s = self.think_s
+        req.next_turn = self.next_turn.resent() if self.next_turn is not None else None
         return req
 
     def finish(self, overhead_s: float) -> None:
@@ -63,7 +82,9 @@ class SimRequest:
         rec = BenchRecord(system, rate, self.index, self.cls, self.requested_tier, self.prompt_tokens, self.max_tokens,
                           self.send_at, sent_s=self.send_at, outcome=self.outcome,
                           http_status={"ok": 200, "rejected": 429}.get(self.outcome, 0),
-                          ttft_target_ms=self.ttft_target_ms, tpot_target_ms=self.tpot_target_ms)
+                          ttft_target_ms=self.ttft_target_ms, tpot_target_ms=self.tpot_target_ms,
+                          cached_tokens=self.cached_tokens, oracle_cached_tokens=self.oracle_cached_tokens,
+                          session=-1 if self.session is None else self.session, turn=self.turn or 0)
         if self.outcome == "rejected":
             rec.error = f"simulated 429: {self.decision}"
         elif self.outcome == "cancelled":

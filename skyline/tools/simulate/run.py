@@ -20,7 +20,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from skyline.tools.bench import metrics, report
 from skyline.tools.bench.options import FULL, QUICK, parse_per_class, parse_range
 from skyline.tools.bench.slo import SloTargets, explicit_targets
 from skyline.tools.bench.workload import CLASSES, WorkloadSpec, requests_for
+from skyline.tools.bench.multiturn import MultiturnSpec
+from skyline.tools.simulate import sessions
 from skyline.tools.simulate import summary as fast_summary
 from skyline.tools.simulate import systems as sysmod
 from skyline.tools.simulate.fleet import Simulation
@@ -69,10 +71,14 @@ def workload_spec(args: argparse.Namespace, p: dict) -> WorkloadSpec:
 
 
 def simulate_one(cfg, system: sysmod.SimSystem, reqs, drain_s: float, allow_demotion: bool = False) -> tuple[dict, Simulation, float]:
-    """Run one rate on a fresh fleet; returns (bench summary, the simulation, wall seconds)."""
+    """Run one rate on a fresh fleet; returns (bench summary, the simulation, wall seconds). Later turns
+    of sessions sent during the run are appended to `reqs`."""
+    if not system.affinity:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, prefix_affinity=False))
     sim = Simulation(cfg, system.fleet, system.perf_prefill, system.perf_decode,
                      record_itl=len(reqs) <= ITL_RECORD_LIMIT, allow_demotion=allow_demotion,
-                     neighbour_slowdown=system.neighbour_slowdown)
+                     neighbour_slowdown=system.neighbour_slowdown,
+                     prefix_cache=bool(reqs) and reqs[0].chain is not None)  # requests with a prefix identity
     t0 = time.perf_counter()
     duration = sim.run(reqs, drain_s)
     wall = time.perf_counter() - t0
@@ -129,8 +135,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     spec = workload_spec(args, p)
     drain = p["drain"]
     trace = meta = None
+    block_size = systems[0].perf_decode.block_size  # the engines' KV block: the unit of prefix caches
     if args.trace:
-        trace, meta = load_trace(args.trace, args.trace_system, args.trace_cache_hits)
+        trace, meta = load_trace(args.trace, args.trace_system, args.trace_cache_hits, block_size)
         drain = args.drain if args.drain is not None else (meta.get("drain_s") or drain)
     ex_ttft, ex_tpot = parse_per_class(args.slo_ttft_ms), parse_per_class(args.slo_tpot_ms)
     if args.slo_from:
@@ -156,6 +163,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     if trace is not None:
         rates = sorted(trace)
         requests_of = lambda rate: [r.resent() for r in trace[rate]]
+    elif getattr(args, "workload", "mixed") == "multiturn":
+        rates = [float(r) for r in str(p["rates"]).split(",") if r.strip()]
+        mt = MultiturnSpec(turns=parse_range(args.turns), think_s=args.think_s, rag_docs=args.rag_docs,
+                           max_prompt_tokens=args.max_prompt_tokens)
+        requests_of = lambda rate: sessions.synthetic(spec, mt, rate, requests_for(rate, p["duration"],
+                                                                                   args.num_requests),
+                                                      targets.for_class, block_size)
     else:
         rates = [float(r) for r in str(p["rates"]).split(",") if r.strip()]
         requests_of = lambda rate: synthetic(spec, rate, requests_for(rate, p["duration"], args.num_requests),
@@ -180,9 +194,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
                 print(f"[{system.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, {summary['rejected']} "
                       f"rejected, attainment {summary['attainment']:.0%}, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "
                       f"({sim.loop.fired} events in {wall:.2f} s; requests made in {t1 - t0:.2f} s, "
-                      f"summarized in {t2 - t1 - wall:.2f} s)", flush=True)
+                      f"summarized in {t2 - t1 - wall:.2f} s)" + (_cache_line(summary) if sim.caching else ""), flush=True)
             sim_info[system.name] = {"status": "ok", "fleet": system.fleet.label, "devices": system.devices,
-                                     "neighbour_slowdown": system.neighbour_slowdown,
+                                     "neighbour_slowdown": system.neighbour_slowdown, "affinity": system.affinity,
                                      "prefill_model": system.perf_prefill.describe(),
                                      "decode_model": system.perf_decode.describe()}
         results = build_results(command, started, spec, rates, p, args, drain, targets, sim_info, runs, records,
@@ -201,6 +215,12 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
             os._exit(0)
 
 
+def _cache_line(summary: dict) -> str:
+    pc = summary.get("prefix_cache") or {}
+    hit = pc.get("hit_rate")
+    return "" if hit is None or hit != hit else f"; prefix-cache hit {hit:.0%}"  # (NaN: nothing said)
+
+
 def build_results(command, started, spec, rates, p, args, drain, targets, sim_info, runs, records, wall_s, meta):
     goodput = {}
     for name in sim_info:
@@ -215,12 +235,21 @@ def build_results(command, started, spec, rates, p, args, drain, targets, sim_in
         "config": {"systems": list(sim_info), "rates": rates, "duration_s": p["duration"],
                    "num_requests": args.num_requests, "drain_s": drain, "quick": args.quick,
                    "probe_requests": p["probe_requests"], "warmup": 0, "allow_demotion": args.allow_demotion,
-                   "workload": asdict(spec), "lengths": args.lengths, "trace": meta},
+                   "workload": _workload(spec, args), "lengths": args.lengths, "trace": meta},
         "definitions": report.DEFINITIONS,
         "slo": targets.to_dict(),
         "systems": sim_info, "goodput": goodput, "runs": runs, "probe": [], "records": records,
         "simulation": {"wall_s": round(wall_s, 2)},
     })
+
+
+def _workload(spec: WorkloadSpec, args: argparse.Namespace) -> dict:
+    """The workload as results.json describes it (the bench's keys: a multi-turn one says so)."""
+    if getattr(args, "workload", "mixed") != "multiturn" or args.trace:
+        return asdict(spec)
+    mt = MultiturnSpec(turns=parse_range(args.turns), think_s=args.think_s, rag_docs=args.rag_docs,
+                       max_prompt_tokens=args.max_prompt_tokens)
+    return {**asdict(spec), "kind": "multiturn", "multiturn": asdict(mt)}
 
 
 def report_clean(x):

@@ -26,6 +26,7 @@ class SimSystem:
     perf_prefill: PerfModel
     perf_decode: PerfModel
     neighbour_slowdown: float = 1.0  # != 1: prefill and decode worker i share a host (Simulation)
+    affinity: bool = True  # the gateway places requests by prefix (off: `[gateway] prefix_affinity = false`)
 
     @property
     def devices(self) -> int:
@@ -104,6 +105,12 @@ def systems(args: argparse.Namespace, prefill: PerfModel, decode: PerfModel, col
         out.append(SimSystem("sim-colocated", FleetSpec("colocated", 0, n), colocated, colocated))
     if args.mode in ("disagg", "both"):
         out.append(disagg)
+    choice = getattr(args, "affinity", "on")
+    if choice == "off":
+        out = [replace(s, affinity=False) for s in out]
+    elif choice == "both":
+        out = [replace(s, name=f"{s.name}-{tag}", affinity=on) for s in out
+               for tag, on in (("affinity", True), ("no-affinity", False))]
     return out
 
 

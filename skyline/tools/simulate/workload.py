@@ -97,8 +97,8 @@ def measured_cache_hit(record: dict) -> int:
     return int((kv.get("prefill_cached_tokens") if kv.get("remote_prefill") else kv.get("num_cached_tokens")) or 0)
 
 
-def load_trace(path: str | Path, system: str | None = None,
-               cache_hits: bool = False) -> tuple[dict[float, list[SimRequest]], dict]:
+def load_trace(path: str | Path, system: str | None = None, cache_hits: bool = False,
+               block_size: int = 0) -> tuple[dict[float, list[SimRequest]], dict]:
     """Requests per rate from a trace, and what the trace says about itself.
 
     A `skyline bench` results.json: the records of one system (the first by
@@ -112,6 +112,10 @@ def load_trace(path: str | Path, system: str | None = None,
     this machine's CPU fleets the simulator's other omission, the host's load
     on the engines' steps, about cancels it, and the calibration was made
     without it (docs/simulator.md).
+
+    `block_size` (the engines' KV block): a multi-turn run's requests get their prefix identity
+    (`sessions.attach_chains`: system prompt, history, documents), so simulated prefix caches and
+    placement decide their hits; each keeps its measured oracle hit for the report.
     """
     text = Path(path).read_text()
     try:
@@ -130,6 +134,7 @@ def load_trace(path: str | Path, system: str | None = None,
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         meta = {"source": str(path), "system": None, "slo": None, "workload": None, "drain_s": None}
     by_rate: dict[float, list[SimRequest]] = {}
+    rows_of: dict[float, list[dict]] = {}
     for r in rows:
         rate = float(r.get("rate", 0.0))
         prompt = int(r.get("server_prompt_tokens") or r["prompt_tokens"])
@@ -140,7 +145,14 @@ def load_trace(path: str | Path, system: str | None = None,
                          float(r.get("tpot_target_ms", math.inf)))
         if cache_hits:
             req.cached_tokens = min(prompt - 1, measured_cache_hit(r))
+        req.oracle_cached_tokens = r.get("oracle_cached_tokens")
         reqs.append(req)
-    for reqs in by_rate.values():
+        rows_of.setdefault(rate, []).append(r)
+    multiturn = (meta["workload"] or {}).get("kind") == "multiturn" and all("session" in r for r in rows)
+    for rate, reqs in by_rate.items():
+        if block_size and multiturn:
+            from skyline.tools.simulate.sessions import attach_chains
+
+            attach_chains(rows_of[rate], reqs, meta["workload"], rate, block_size)
         reqs.sort(key=lambda q: (q.send_at, q.index))
     return by_rate, meta
