@@ -38,10 +38,11 @@ simulated fleet places as the live one does (tests/test_rules_shared.py).
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 # A worker whose KV cache is this full would evict to make room: not one to wait for.
 KV_FULL = 0.95
@@ -95,9 +96,9 @@ class AffinityPolicy:
     load_blocks: float = 1.0
 
 
-@dataclass(frozen=True)
-class Holder:
-    """One live worker of the stage the request is for, as the gateway sees it."""
+class Holder(NamedTuple):
+    """One live worker of the stage the request is for, as the gateway sees it (a named tuple: the
+    gateway makes one per worker per request, so a fleet of hundreds makes many)."""
 
     worker: str
     matched_blocks: int  # leading blocks of the request's chain in its cache view
@@ -122,7 +123,8 @@ def place(policy: AffinityPolicy, holders: Sequence[Holder]) -> Holder | None:
     queue balances the load as well as a choice would."""
     if not policy.enabled:
         return None
-    ready = sorted((h for h in holders if not h.overloaded), key=lambda h: cost(policy, h))
+    # The two cheapest, ties in the holders' order (nsmallest is a stable sort's first two).
+    ready = heapq.nsmallest(2, (h for h in holders if not h.overloaded), key=lambda h: cost(policy, h))
     if not ready:
         return None
     best = ready[0]
@@ -170,9 +172,10 @@ class CacheMatch:
     def holders(self, stage: str, placed: Mapping[str, int] | None = None) -> list[Holder]:
         """The workers of `stage`, their matches and loads: what they held at their last heartbeat,
         or what this gateway has placed for them and not seen end (`placed`), whichever is more."""
-        placed = placed or {}
-        return [Holder(w.worker_id, self.matched.get(w.worker_id, 0), overloaded(w),
-                       max(w.running, placed.get(w.worker_id, 0))) for w in self.workers if w.role == stage]
+        placed, matched = placed or {}, self.matched
+        return [Holder(w.worker_id, matched.get(w.worker_id, 0), overloaded(w),
+                       max(w.running, placed.get(w.worker_id, 0)) if placed else w.running)
+                for w in self.workers if w.role == stage]
 
     def uncached_tokens(self, worker: str | None) -> int:
         """Prompt tokens `worker` would compute (None: a worker not known in advance, so all of them).
@@ -183,9 +186,14 @@ class CacheMatch:
         return self.prompt_tokens - max(0, cached)
 
     def best_uncached(self, stage: str) -> int:
-        """Prompt tokens left to compute on the best-placed worker of `stage` that is not full."""
-        ready = [h for h in self.holders(stage) if not h.overloaded]
-        return min((self.uncached_tokens(h.worker) for h in ready), default=self.prompt_tokens)
+        """Prompt tokens left to compute on the best-placed worker of `stage` that is not full (the
+        one holding the most leading blocks: fewer tokens left is more blocks held)."""
+        matched = self.matched
+        best = max((matched.get(w.worker_id, 0) for w in self.workers if w.role == stage and not overloaded(w)),
+                   default=None)
+        if best is None:
+            return self.prompt_tokens
+        return self.prompt_tokens - max(0, min(best * self.block_size, self.prompt_tokens - 1))
 
 
 class PlacedInFlight:

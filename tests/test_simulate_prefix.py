@@ -15,7 +15,7 @@ from skyline.tools.bench.multiturn import MultiturnSpec
 from skyline.tools.bench.workload import WorkloadSpec
 from skyline.tools.simulate import sessions
 from skyline.tools.simulate.fleet import FleetSpec, Simulation
-from skyline.tools.simulate.prefix_cache import PrefixCache
+from skyline.tools.simulate.prefix_cache import HolderIndex, PrefixCache
 from skyline.tools.simulate.request import SimRequest
 from tests.simmodels import HandModel
 
@@ -40,6 +40,21 @@ def test_the_cache_keeps_the_most_recently_used_blocks_and_hits_only_a_leading_r
     cache.hit(_req("cd", 8))  # used again: most recent, so e goes first, then f
     cache.store(("g",), 1)
     assert list(cache.blocks) == ["f", "c", "d", "g"]
+
+
+def test_the_fleet_view_answers_what_each_cache_would():
+    rng = random.Random(3)
+    index = HolderIndex()
+    caches = [PrefixCache(12, 4, f"w{i}", index) for i in range(5)]
+    for _ in range(200):  # stores and evictions of chains that share prefixes
+        c = rng.choice(caches)
+        c.store([f"b{j}" for j in range(rng.randint(0, 3))] + [f"x{rng.randint(0, 9)}-{j}" for j in range(4)],
+                rng.randint(1, 7))
+    for c in caches:
+        assert {h for h, ws in index.of.items() if c.name in ws} == set(c.blocks)
+    for chain in (["b0", "b1", "b2", "x1-3"], ["b0", "x3-1"], ["x2-0", "x2-1"], ["b9"], []):
+        want = {c.name: c.held(chain, len(chain)) for c in caches}
+        assert index.matched(chain) == {w: n for w, n in want.items() if n}
 
 
 def test_a_session_turn_extends_the_previous_prompt_and_answer_and_the_chain_is_the_gateways():

@@ -54,7 +54,7 @@ from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.events import EventLoop
 from skyline.tools.simulate.perf import PerfModel
 from skyline.tools.simulate.prefill_worker import PrefillWorker
-from skyline.tools.simulate.prefix_cache import PrefixCache
+from skyline.tools.simulate.prefix_cache import HolderIndex, PrefixCache
 from skyline.tools.simulate.queues import StageQueues
 from skyline.tools.simulate.request import SimRequest
 
@@ -159,10 +159,13 @@ class Simulation:
         self._beats = {role: tuple(SimpleNamespace(worker_id=w.name, role=role, running=0, kv_usage=0.0,
                                                    max_running=cfg.worker.max_running) for w in pool)
                        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
+        self._all_beats = self._beats["prefill"] + self._beats["decode"]
+        self.cache_view = HolderIndex()  # which engines hold each block (the live cache view)
         if prefix_cache:
             for w in self.prefill_workers + self.decode_workers:
                 perf = perf_prefill if w in self.prefill_workers else perf_decode
-                w.cache = PrefixCache(perf.kv_capacity_tokens // perf.block_size, perf.block_size)
+                w.cache = PrefixCache(perf.kv_capacity_tokens // perf.block_size, perf.block_size, w.name,
+                                      self.cache_view)
 
     # -- the gateway ------------------------------------------------------------------------------
 
@@ -248,10 +251,8 @@ class Simulation:
     def _match(self, req: SimRequest) -> CacheMatch:
         """What each worker's engine holds of the request's prompt, and the workers' heartbeats: the
         live gateway's `CacheMatch` (there read from the cache view in Redis)."""
-        chain, blocks = req.chain, req.prompt_blocks
-        return CacheMatch(req.prompt_tokens, self.block_size,
-                          {w.name: w.cache.held(chain, blocks) for w in self.workers.values()},
-                          self._beats["prefill"] + self._beats["decode"])
+        return CacheMatch(req.prompt_tokens, self.block_size, self.cache_view.matched(req.chain[:req.prompt_blocks]),
+                          self._all_beats)
 
     def _push_placed(self, q, ready, req: SimRequest, prefill_end) -> None:
         """Into the affinity lane of the worker the request was placed for: that worker claims it if it is

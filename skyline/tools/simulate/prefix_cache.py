@@ -12,8 +12,10 @@ a lightly loaded engine keeps) and stores a prompt's blocks at its end rather
 than step by step.
 
 Blocks are keyed by the request's chain (`SimRequest.chain`, scheduler/prefix.py
-`block_chain`), so the simulated gateway reads a worker's match as the live
-one reads its cache view (`matched_blocks`).
+`block_chain`). The simulated gateway needs every worker's match for every
+request, as the live one reads every worker's cache view; a fleet-wide index
+(block -> the workers holding it, `HolderIndex`) answers that with a few set
+intersections instead of a walk per worker.
 """
 
 from __future__ import annotations
@@ -24,13 +26,48 @@ from collections.abc import Sequence
 from skyline.scheduler.prefix import matched_blocks
 
 
-class PrefixCache:
-    __slots__ = ("block_size", "blocks", "capacity", "evicted")
+class HolderIndex:
+    """Which workers' engines hold each block: the fleet's cache view, kept by the caches themselves."""
 
-    def __init__(self, capacity_blocks: int, block_size: int):
+    __slots__ = ("of",)
+
+    def __init__(self) -> None:
+        self.of: dict[str, set[str]] = {}
+
+    def matched(self, chain: Sequence[str]) -> dict[str, int]:
+        """worker -> leading blocks of `chain` it holds, for the workers that hold at least one (the
+        others hold none): `matched_blocks` for every worker at once."""
+        of = self.of
+        live = of.get(chain[0]) if chain else None
+        if not live:
+            return {}
+        out: dict[str, int] = {}
+        n = 1
+        for h in chain[1:]:
+            nxt = live & of.get(h, _NONE)
+            if len(nxt) != len(live):
+                for w in live - nxt:
+                    out[w] = n
+                if not nxt:
+                    return out
+            live, n = nxt, n + 1
+        for w in live:
+            out[w] = n
+        return out
+
+
+_NONE: frozenset = frozenset()
+
+
+class PrefixCache:
+    __slots__ = ("block_size", "blocks", "capacity", "evicted", "index", "name")
+
+    def __init__(self, capacity_blocks: int, block_size: int, name: str = "", index: HolderIndex | None = None):
+        """`index`: the fleet's view to keep up to date with what this engine (`name`) holds."""
         self.capacity, self.block_size = max(1, capacity_blocks), block_size
         self.blocks: OrderedDict[str, None] = OrderedDict()
         self.evicted = 0
+        self.name, self.index = name, index
 
     def held(self, chain: Sequence[str], prompt_blocks: int) -> int:
         """Leading blocks of a prompt (the first `prompt_blocks` of `chain`) this engine holds: what the
@@ -59,14 +96,27 @@ class PrefixCache:
     def store(self, chain: Sequence[str], n: int) -> None:
         """The engine now holds the first `n` blocks of `chain` (most recently used), evicting the
         least recently used beyond its capacity."""
-        blocks = self.blocks
+        blocks, of = self.blocks, self.index.of if self.index is not None else None
         for h in chain[:n]:
-            blocks[h] = None
-            blocks.move_to_end(h)
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+                if of is not None:
+                    holders = of.get(h)
+                    if holders is None:
+                        of[h] = {self.name}
+                    else:
+                        holders.add(self.name)
         over = len(blocks) - self.capacity
         if over > 0:
             self.evicted += over
             pop = blocks.popitem
             for _ in range(over):
-                pop(last=False)
+                h = pop(last=False)[0]
+                if of is not None:
+                    holders = of[h]
+                    holders.discard(self.name)
+                    if not holders:
+                        del of[h]
 

@@ -40,7 +40,8 @@ class StageQueues:
         self.backlog: dict[str, int] = {t: 0 for t in tier_order}  # prompt tokens admitted, not yet prefilled
         self.size = 0  # entries waiting, affinity lanes included
         self.retry_size = 0
-        self.placed: dict[str, dict[str, deque]] = {}  # worker -> tier -> its affinity lane (by worker name)
+        # worker -> tier -> its affinity lane, for the workers with placed work waiting (by worker name)
+        self.placed: dict[str, dict[str, deque]] = {}
         self.placed_size = 0  # entries in affinity lanes
 
     def push(self, req: SimRequest, item) -> None:
@@ -99,19 +100,14 @@ class StageQueues:
                     return True
         return False
 
-    def next_bound_ms(self) -> int | None:
-        """The earliest bound among the affinity lanes' heads (None: no placed work)."""
-        bounds = [lane[0][0].until_ms for lanes in self.placed.values() for lane in lanes.values() if lane]
-        return min(bounds, default=None)
-
     def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
         """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
         the shared streams, others' lanes past their bound), or None."""
         tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
         heads: dict[str, int] = {}
-        chosen: dict[str, deque] = {}
+        chosen: dict[str, tuple] = {}
         for t in tiers:
-            best, due = None, 0
+            best, due, holder = None, 0, None
             main, retry = self.queues[t], self.retry[t]
             if main:
                 best, due = main, int(main[0][0].deadline * 1000)
@@ -124,18 +120,20 @@ class StageQueues:
                 if lane and may_claim(me, worker, now_ms, lane[0][0].until_ms, True):
                     d = int(lane[0][0].deadline * 1000)
                     if best is None or not retry_first(due, d):  # earlier than the head so far; a tie keeps it
-                        best, due = lane, d
+                        best, due, holder = lane, d, worker
             if best is not None:
-                heads[t], chosen[t] = due, best
+                heads[t], chosen[t] = due, (best, holder)
         if not heads:
             return None
-        lane = chosen[pick_tier(heads, self.tier_order)]
+        lane, holder = chosen[pick_tier(heads, self.tier_order)]
         item = lane.popleft()
         self.size -= 1
-        if lane is self.retry[item[0].tier]:
-            self.retry_size -= 1
-        elif lane is not self.queues[item[0].tier]:
+        if holder is not None:
             self.placed_size -= 1
+            if not any(self.placed[holder].values()):
+                del self.placed[holder]  # only workers with placed work are looked at
+        elif lane is self.retry[item[0].tier]:
+            self.retry_size -= 1
         return item
 
     def claim(self, max_rank: int | None = None):

@@ -23,6 +23,7 @@ Two sources:
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Callable, Sequence
 
 from skyline.scheduler.prefix import chain_from
@@ -38,18 +39,25 @@ QUESTION_TOKENS = 20  # "\n\nQuestion: ..." after a document, and the template's
 
 def _fresh(rng: random.Random, n: int) -> list[int]:
     """`n` token ids no other prompt shares (a whole block of them never repeats by chance)."""
-    bits = rng.getrandbits
-    return [bits(30) for _ in range(max(0, n))]
+    return array("I", rng.randbytes(4 * max(0, n))).tolist()
 
 
 def _chain(tokens: Sequence[int], block_size: int) -> tuple[str, ...]:
     return tuple(chain_from(None, tokens, block_size))
 
 
+def _extend(chain: tuple[str, ...], tokens: Sequence[int], block_size: int) -> tuple[str, ...]:
+    """The chain of `tokens`' full blocks, given `chain`, that of their leading full blocks: only the
+    blocks after it are hashed (a turn's history was hashed with the turn before)."""
+    done = len(chain)
+    return chain + tuple(chain_from(chain[-1] if chain else None, tokens[done * block_size:], block_size))
+
+
 def _request(index: int, cls: str, tier: str, send_at: float, prompt: list[int], answer: list[int],
-             targets: tuple[float, float], block_size: int) -> SimRequest:
+             targets: tuple[float, float], block_size: int, known: tuple[str, ...] = ()) -> SimRequest:
+    """`known`: the chain of the prompt's leading blocks already hashed (its history's, its document's)."""
     req = SimRequest(index, cls, tier, send_at, len(prompt), len(answer), *targets)
-    req.chain = _chain(prompt + answer, block_size)
+    req.chain = _extend(known, prompt + answer, block_size)
     req.prompt_blocks = len(prompt) // block_size
     return req
 
@@ -63,27 +71,30 @@ def synthetic(spec: WorkloadSpec, mt: MultiturnSpec, rate: float, n: int, target
     rng = random.Random(f"{spec.seed}:sim-multiturn:{rate:g}")
     times = arrival_offsets(n, rate, random.Random(f"{spec.seed}:arrivals:{rate:g}"), spec.arrival, spec.burstiness)
     system = _fresh(rng, system_tokens)
+    system_chain = _chain(system, block_size)
     room = system_tokens + QUESTION_ROOM
-    docs = [_fresh(rng, max(0, min(rng.randint(*spec.rag_prompt), mt.max_prompt_tokens) - room))
+    docs = [system + _fresh(rng, max(0, min(rng.randint(*spec.rag_prompt), mt.max_prompt_tokens) - room))
             for _ in range(mt.rag_docs if spec.mix < 1 else 0)]
+    doc_chains = [_chain(d, block_size) for d in docs]
     by_cls = {c: (spec.tier_of(c), targets(c)) for c in ("chat", "rag")}
     out, index = [], 0
     for i, cls in enumerate(class_sequence(n, spec.mix, rng.random())):
         tier, tgt = by_cls[cls]
         if cls == "rag":
-            prompt = system + rng.choice(docs) + _fresh(rng, QUESTION_TOKENS)
+            d = rng.randrange(len(docs))
+            prompt = docs[d] + _fresh(rng, QUESTION_TOKENS)
             out.append(_request(index, cls, tier, times[i], prompt, _fresh(rng, rng.randint(*spec.rag_output)), tgt,
-                                block_size))
+                                block_size, doc_chains[d]))
             out[-1].session, out[-1].turn = i, 0
             index += 1
             continue
-        history, prev = list(system), None
+        history, known, prev = system, system_chain, None
         for turn in range(rng.randint(*mt.turns)):
             prompt = history + _fresh(rng, rng.randint(*spec.chat_prompt))
             if len(prompt) > mt.max_prompt_tokens:
                 break  # the conversation ends rather than send a prompt over the bound
             answer = _fresh(rng, rng.randint(*spec.chat_output))
-            req = _request(index, cls, tier, times[i], prompt, answer, tgt, block_size)
+            req = _request(index, cls, tier, times[i], prompt, answer, tgt, block_size, known)
             req.session, req.turn = i, turn
             index += 1
             if prev is None:
@@ -91,7 +102,7 @@ def synthetic(spec: WorkloadSpec, mt: MultiturnSpec, rate: float, n: int, target
             else:
                 prev.next_turn = req
                 req.think_s = rng.expovariate(1 / mt.think_s) if mt.think_s > 0 else 0.0
-            prev, history = req, prompt + answer
+            prev, history, known = req, prompt + answer, req.chain
     out.sort(key=lambda r: (r.send_at, r.index))
     return out
 
