@@ -98,3 +98,49 @@ def test_the_fast_summary_is_the_bench_summary():
             assert fast[key] == pytest.approx(value, nan_ok=True), key
         else:
             assert fast[key] == value, key
+
+
+MULTITURN = ROOT / "benchmarks" / "2026-12-02-multiturn" / "results.json"
+PROFILE_1CORE = ROOT / "skyline" / "tools" / "simulate" / "profiles" / "cpu-1core-nixl-2026-12-01-1727.json"
+
+
+def _replay_multiturn(system: str, prefill_factor: float | None = None) -> dict[float, dict]:
+    """The measured multi-turn run of `system` replayed on two colocated 1-core engines with prefix caches
+    (its sessions' prefixes regenerated), affinity as the system had it; summary per rate."""
+    from dataclasses import replace
+
+    from skyline.tools.simulate.workload import load_trace
+
+    model = ProfileModel.load(PROFILE_1CORE, slowdown=prefill_factor, decode_slowdown=1.0 if prefill_factor else None)
+    cfg = load_config(None)
+    cfg = replace(cfg, gateway=replace(cfg.gateway, prefix_affinity=system == "skyline-affinity"))
+    trace, _meta = load_trace(MULTITURN, system, block_size=model.block_size)
+    out = {}
+    for rate, reqs in sorted(trace.items()):
+        reqs = [r.resent() for r in reqs]
+        duration = Simulation(cfg, FleetSpec("colocated", 0, 2), model, model, prefix_cache=True).run(reqs, 120.0)
+        out[rate] = metrics.summarize(reqs, duration)
+    return out
+
+
+@pytest.mark.parametrize("system", ["skyline-affinity", "skyline-no-affinity"])
+def test_the_multiturn_run_replayed_hits_the_prefix_cache_as_measured(system):
+    """docs/simulator.md "Prefix caches and affinity": the simulated hit rate within 5 points of the
+    measured one at both rates (nothing fitted), the gap affinity makes within 5 points of the measured
+    gap, and, with the prefill steps slowed as the run's own engine steps measured, TTFT p50 within 25%."""
+    doc = json.loads(MULTITURN.read_text())
+    measured = {r["rate"]: r["summary"] for r in doc["runs"] if r["system"] == system}
+    other = "skyline-no-affinity" if system == "skyline-affinity" else "skyline-affinity"
+    measured_other = {r["rate"]: r["summary"] for r in doc["runs"] if r["system"] == other}
+    sim, sim_other = _replay_multiturn(system), _replay_multiturn(other)
+    for rate, m in measured.items():
+        hit, want = sim[rate]["prefix_cache"]["hit_rate"], m["prefix_cache"]["hit_rate"]
+        assert abs(hit - want) <= 0.05, (rate, hit, want)
+        gap = hit - sim_other[rate]["prefix_cache"]["hit_rate"]
+        want_gap = want - measured_other[rate]["prefix_cache"]["hit_rate"]
+        assert abs(gap - want_gap) <= 0.05, (rate, gap, want_gap)
+    factor = calibrate.prefill_step_factor(doc["systems"][system]["engine_steps"], ProfileModel.load(PROFILE_1CORE))
+    assert 1.1 < factor < 1.4  # the fleet's prefill steps ran slower than the engine alone
+    for rate, s in _replay_multiturn(system, factor).items():
+        ttft, want = s["ttft_ms"]["p50"], measured[rate]["ttft_ms"]["p50"]
+        assert abs(ttft - want) <= 0.25 * want, (rate, ttft, want)

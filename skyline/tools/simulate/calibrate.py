@@ -94,6 +94,19 @@ def phases(results: dict, system: str, model: ProfileModel, rate: float | None =
     }
 
 
+def prefill_step_factor(engine_steps: dict, model: ProfileModel) -> float:
+    """A fleet's prefill steps against the profile's: each worker's mean prefill-only step (the
+    `engine_steps` a Skyline system's results carry: steps, mean ms, mean prompt tokens) over the
+    profile's time for a step of that many prompt tokens, averaged over the workers. What the host
+    (gateway, Redis, load generator on the same cores) did to the engine's steps in that run, read
+    from the engines themselves rather than fitted to the run's latencies: `--slowdown prefill=X`."""
+    ratios = [s["prefill"]["mean_ms"] / 1000 / model.prefill_step_s([(0, round(s["prefill"]["prompt_tokens"]))])
+              for s in engine_steps.values() if s.get("prefill", {}).get("steps")]
+    if not ratios:
+        raise ValueError("no prefill-only steps in these engine steps")
+    return sum(ratios) / len(ratios)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="a `skyline bench` results.json")
@@ -104,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     model = ProfileModel.load(args.profile, slowdown=1.0)
     p = phases(json.loads(Path(args.results).read_text()), args.system, model, args.rate)
     print(f"{p['system']}: {p['requests']} completed requests with timings; profile {args.profile}")
+    steps = json.loads(Path(args.results).read_text())["systems"].get(args.system, {}).get("engine_steps")
+    if steps:
+        print(f"prefill-only engine steps measured / profile: {prefill_step_factor(steps, model):.2f}")
     print("rate  send_s  prompt  cached  prefill ms (profile)  alone  hand-off ms  decode step ms (profile)  alone")
     for o in p["per_request"]:
         pre = o["prefill"][1] - o["prefill"][0]
