@@ -107,23 +107,36 @@ def synthetic(spec: WorkloadSpec, mt: MultiturnSpec, rate: float, n: int, target
     return out
 
 
+_CUT = "\x00"  # between a regenerated message's text and the suffix the bench keeps after cutting it
+BYTES_PER_TOKEN = 5  # the corpus's prose in SmolLM2's tokens: 4.9 bytes a token (passages), 4.6 (questions)
+USER_HEADER, USER_TAIL = (1, 2, 3), (4, 5, 6, 7, 8)  # the chat template around a user message, in tokens:
+# "<|im_end|>\n<|im_start|>user\n" before it (the system prompt's end is in SYSTEM_TOKENS) and
+# "<|im_end|>\n<|im_start|>assistant\n" after it; the same ids in every prompt, as the template's are
+
+
 def _regenerated(workload: dict, rate: float, sessions: int) -> list:
-    """The bench's sessions of a measured multi-turn run (`make_sessions`, its seed and spec), with a
-    byte tokenizer: their texts' lengths differ from the run's, not their draws (classes, turns,
-    answer lengths, which document a RAG session asked about)."""
+    """The bench's sessions of a measured multi-turn run (`make_sessions`, its seed and spec). The
+    builder leaves texts uncut (the bench cuts each to its length in the model's tokens, which the
+    replay takes from the records) and draws from the random stream exactly as the bench's: the
+    classes, turns, answer lengths, the passages each message starts with and the document each RAG
+    session asked about are the run's."""
     from skyline.tools.bench.prompts import PromptBuilder
     from skyline.tools.bench.tokenizer import SimTokenizer
+
+    class Uncut(PromptBuilder):
+        def _fit(self, filler: str, suffix: str, target_tokens: int) -> tuple[str, int]:
+            return filler + _CUT + suffix, target_tokens
 
     as_tuples = lambda d: {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     spec = WorkloadSpec(**as_tuples({k: v for k, v in workload.items() if k not in ("kind", "multiturn")}))
     mt = MultiturnSpec(**as_tuples(workload.get("multiturn") or {}))
-    return make_sessions(spec, mt, PromptBuilder(SimTokenizer()), sessions, rate)
+    return make_sessions(spec, mt, Uncut(SimTokenizer()), sessions, rate)
 
 
-def _documents_asked(rows: Sequence[dict], workload: dict, rate: float) -> dict[int, int]:
-    """session -> the document (0, 1, ...) each RAG session of a measured run asked about. Every
-    record is checked against its regenerated session (class, answer length): a trace of another
-    workload or seed fails here rather than replay the wrong prefixes."""
+def _checked(rows: Sequence[dict], workload: dict, rate: float) -> list:
+    """The regenerated sessions of a measured run's records. Every record is checked against its
+    session (class, answer length): a trace of another workload or seed fails here rather than
+    replay the wrong prefixes."""
     built = _regenerated(workload, rate, 1 + max(int(r["session"]) for r in rows))
     for r in rows:
         s = built[int(r["session"])]
@@ -131,20 +144,39 @@ def _documents_asked(rows: Sequence[dict], workload: dict, rate: float) -> dict[
         if s.cls != r.get("cls") or turn >= len(s.max_tokens) or s.max_tokens[turn] != int(r["max_tokens"]):
             raise ValueError(f"record {r.get('index')} (session {r['session']}, turn {turn}) is not the session "
                              f"the bench's seed makes: not this workload's trace")
-    docs: dict[str, int] = {}
-    return {s.index: docs.setdefault(s.users[0].rsplit("\n\nQuestion: ", 1)[0], len(docs))
-            for s in built if s.cls == "rag"}
+    return built
+
+
+def _text_ids(text: str) -> list[int]:
+    """Token ids of a text, one per BYTES_PER_TOKEN bytes: two texts with a common start get common ids."""
+    b = text.encode()
+    return [int.from_bytes(b[i:i + BYTES_PER_TOKEN], "little") for i in range(0, len(b), BYTES_PER_TOKEN)]
+
+
+def _message(user: str, tokens: int, rng: random.Random) -> list[int]:
+    """A chat turn's new user message of `tokens` tokens, template included: the text the bench cut to
+    that length (its start, then the question it keeps at the end)."""
+    filler, _, suffix = user.partition(_CUT)
+    n = max(0, tokens - len(USER_HEADER) - len(USER_TAIL))
+    tail = _text_ids(suffix)[:n]
+    body = _text_ids(filler)[:n - len(tail)]
+    return [*USER_HEADER, *body, *_fresh(rng, n - len(body) - len(tail)), *tail, *USER_TAIL]
 
 
 def attach_chains(rows: Sequence[dict], reqs: Sequence[SimRequest], workload: dict, rate: float,
                   block_size: int, system_tokens: int = SYSTEM_TOKENS) -> None:
     """Give the requests replayed from a measured multi-turn run (`rows`, their records; `reqs`, the
-    same in the same order) the chains of their prompts and answers: each session's turns extend its
-    history, every prompt starts with the rate's system prompt, RAG questions share their document.
-    Lengths are the records' (prompt tokens as the server counted them, the answer's output tokens)."""
+    same in the same order) the chains of their prompts and answers: every prompt starts with the
+    rate's system prompt; a conversation's turn extends its history (prompt and answer before it)
+    with its new message, whose text starts as the bench's did (messages that open with the same
+    passage of the corpus share those tokens); RAG questions share their document. Lengths are the
+    records' (prompt tokens as the server counted them, the answer's output tokens)."""
     rng = random.Random(f"sim-replay:{rate:g}")
     system = _fresh(rng, system_tokens)
-    asked = _documents_asked(rows, workload, rate)
+    built = _checked(rows, workload, rate)
+    texts: dict[str, int] = {}
+    asked = {s.index: texts.setdefault(s.users[0].rsplit("\n\nQuestion: ", 1)[0], len(texts))
+             for s in built if s.cls == "rag"}  # session -> its document
     doc_len: dict[int, int] = {}
     for r in rows:
         if r.get("cls") == "rag":
@@ -156,14 +188,15 @@ def attach_chains(rows: Sequence[dict], reqs: Sequence[SimRequest], workload: di
     history: dict[int, list[int]] = {}
     for i in order:
         r, req = rows[i], reqs[i]
-        s, n = int(r["session"]), req.prompt_tokens
+        s, n, turn = int(r["session"]), req.prompt_tokens, int(r.get("turn", 0))
         if r.get("cls") == "rag":
             prompt = system + docs[asked[s]]
         else:
-            prompt = list(history.get(s, system))
+            prompt = history.get(s, system)
+            prompt = prompt + _message(built[s].users[turn], n - len(prompt), rng)
         prompt = (prompt + _fresh(rng, n - len(prompt)))[:n]
         answer = _fresh(rng, int(r.get("output_tokens") or req.max_tokens))
         history[s] = prompt + answer
         req.chain = _chain(prompt + answer, block_size)
         req.prompt_blocks = n // block_size
-        req.session, req.turn = s, int(r.get("turn", 0))
+        req.session, req.turn = s, turn
