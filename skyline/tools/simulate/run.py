@@ -124,6 +124,8 @@ def trace_profile(trace: str) -> str | None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> None:
     command = " ".join(shlex.quote(a) for a in ["skyline", *argv])
+    if args.search and getattr(args, "workload", "mixed") == "multiturn":
+        raise SystemExit("--search sizes fleets for the mixed workload; simulate a multi-turn plan with --rates")
     p = _preset(args)
     if args.trace and not args.profile and not args.gpu:
         args.profile = trace_profile(args.trace)
