@@ -642,8 +642,9 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
         live = owner[heads[tier].stream] if tier else None
         item = real_claim_as(q, me, now_ms, max_rank)
         got = item[0] if item else None
-        assert got is live, f"claims differ at {now_ms} ms for {me}: simulated {got and _rid(got)}, live {live and _rid(live)}"
-        kind = None if got is None else "own" if got.placed_for == me else "shared" if got.placed_for is None else "other"
+        assert got is live, (f"claims differ at {now_ms} ms for {me}: simulated {got and _rid(got)}, "
+                             f"live {live and _rid(live)}")
+        kind = None if got is None else "shared" if got.placed_for is None else "own" if got.placed_for == me else "other"
         log.append(("claim", kind))
         return item
 

@@ -52,9 +52,10 @@ def victims_for(worker, held: list, head, claimed: bool = True) -> list:
 
 
 def claim_for(worker, q, held: list):
-    """The next entry of stage queues `q` the worker may take, or None (only work placed for other
-    workers, within its bound), or while its shield holds and only looser tiers wait (`scheduler.claiming.ClaimShield`, as the live worker's claim loop): expired, or
-    with none of its tiers computing among the handles in `held`, the shield lifts."""
+    """The next entry of stage queues `q` the worker may take, or None: only work placed for other
+    workers waits, within its bound (`claim_as`), or its shield holds and only looser tiers wait
+    (`scheduler.claiming.ClaimShield`, as the live worker's claim loop): expired, or with none of its
+    tiers computing among the handles in `held`, the shield lifts."""
     gate = worker.claims
     if gate.shield is None:
         if q.placed_size:  # work placed for workers' prefix caches waits: the lane rule decides
@@ -62,7 +63,10 @@ def claim_for(worker, q, held: list):
         return q.claim()  # (the hot path: no shield up)
     while True:
         max_rank = gate.max_rank(int(worker.sim.loop.now * 1000))
-        item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank) if q.placed_size else q.claim(max_rank)
+        if q.placed_size:
+            item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank)
+        else:
+            item = q.claim(max_rank)
         if item is not None or max_rank is None:
             return item
         if not gate.found_nothing(h.req.rank for h in held):

@@ -196,7 +196,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
                 print(f"[{system.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, {summary['rejected']} "
                       f"rejected, attainment {summary['attainment']:.0%}, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "
                       f"({sim.loop.fired} events in {wall:.2f} s; requests made in {t1 - t0:.2f} s, "
-                      f"summarized in {t2 - t1 - wall:.2f} s)" + (_cache_line(summary) if sim.caching else ""), flush=True)
+                      f"summarized in {t2 - t1 - wall:.2f} s)" + (_cache_line(summary) if sim.caching else ""),
+                      flush=True)
             sim_info[system.name] = {"status": "ok", "fleet": system.fleet.label, "devices": system.devices,
                                      "neighbour_slowdown": system.neighbour_slowdown, "affinity": system.affinity,
                                      "prefill_model": system.perf_prefill.describe(),
