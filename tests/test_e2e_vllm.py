@@ -279,6 +279,107 @@ async def test_a_kv_pull_that_fails_is_computed_on_the_decode_worker(fleet, clie
     await r.aclose()
 
 
+def test_a_client_that_leaves_in_any_phase_leaves_no_kv_blocks_on_either_engine(fleet, redis_url):
+    """Streaming clients that go away while their request is queued, being prefilled, handed off
+    but not yet pulled, and being decoded: after each, both engines' KV usage (what they report in
+    their heartbeats) returns to its idle level within seconds. The hand-off is the phase vLLM does
+    not cover by itself: the prefill engine keeps a finished prompt's blocks for its lease (60 s
+    here) until a decode engine reads them; the decode worker that meets the client's tombstone
+    frees them through vLLM's own rejection path instead (workers/decode.py)."""
+    import json
+    import signal
+    import socket
+    import uuid
+
+    import redis
+
+    from skyline.core.keys import Keys
+
+    r, keys = redis.Redis.from_url(redis_url), Keys(fleet.key_prefix)
+    prefill, decode = fleet.procs["prefill-0"], fleet.procs["decode-0"]
+
+    def field(worker: str, name: str) -> float:
+        return float(r.hget(keys.worker(worker), name) or 0)
+
+    def wait_for(cond, timeout_s: float, what: str) -> float:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < timeout_s, what
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def idle() -> bool:
+        return field("prefill-0", "kv_usage") == 0 and field("decode-0", "kv_usage") == 0
+
+    def newest(stage: str) -> str | None:
+        got = r.xrevrange(keys.stream(stage, "standard"), count=1)
+        return got[0][1][b"id"].decode() if got else None
+
+    def send(words: int, max_tokens: int) -> tuple[socket.socket, str | None]:
+        """A streaming completion on a raw socket (closing it is the client leaving, at any moment)."""
+        before = newest("prefill")
+        prompt = uuid.uuid4().hex + " the keeper climbed the stairs and watched the sea" * (words // 9)
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        host, port = fleet.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"x-skyline-route: disagg\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: newest("prefill") != before, 10, "the request never reached the prefill stream")
+        return sock, newest("prefill")
+
+    def events(rid: str) -> list[str]:
+        return [json.loads(e)["event"] for e in r.lrange(keys.timeline(rid), 0, -1)]
+
+    wait_for(idle, 75, "the engines never became idle (blocks of an earlier test still under their lease?)")
+    stopped: list[int] = []
+    try:
+        # Queued: the prefill worker is stopped while the client comes and goes.
+        os.kill(prefill.pid, signal.SIGSTOP)
+        stopped.append(prefill.pid)
+        sock, rid = send(300, 8)
+        sock.close()
+        wait_for(lambda: r.get(keys.cancelled(rid)) == b"1", 10, "queued: no tombstone")
+        os.kill(prefill.pid, signal.SIGCONT)
+        stopped.remove(prefill.pid)
+        wait_for(lambda: "cancelled" in events(rid), 10, "queued: the prefill worker did not drop it")
+        wait_for(idle, 10, "queued: KV left behind")
+
+        # Prefilling: a ~1,800-token prompt is being computed when the client leaves.
+        sock, rid = send(1800, 8)
+        wait_for(lambda: field("prefill-0", "kv_usage") > 0, 30, "prefilling: no KV in use")
+        sock.close()
+        took = wait_for(idle, 10, "prefilling: KV left behind")
+        print(f"prefilling: idle {took:.1f} s after the client left")
+
+        # Handed off, not pulled: the decode worker is stopped, so the prompt's blocks wait on the
+        # prefill engine under their lease when the client leaves.
+        os.kill(decode.pid, signal.SIGSTOP)
+        stopped.append(decode.pid)
+        sock, rid = send(400, 8)
+        wait_for(lambda: "kv_handle_published" in events(rid), 30, "handed off: never handed off")
+        wait_for(lambda: field("prefill-0", "kv_usage") > 0, 10, "handed off: the prefill engine holds nothing")
+        sock.close()
+        wait_for(lambda: r.get(keys.cancelled(rid)) == b"1", 10, "handed off: no tombstone")
+        os.kill(decode.pid, signal.SIGCONT)
+        stopped.remove(decode.pid)
+        took = wait_for(idle, 15, "handed off: the prefill engine kept the blocks (lease 60 s)")
+        print(f"handed off: idle {took:.1f} s after the decode worker resumed")
+        wait_for(lambda: "kv_released" in events(rid), 5, f"handed off: no kv_released event: {events(rid)}")
+
+        # Decoding: the client leaves a long answer after its first tokens.
+        sock, rid = send(200, 1000)
+        sock.recv(200)  # the response has begun: tokens are streaming
+        wait_for(lambda: field("decode-0", "kv_usage") > 0, 10, "decoding: no KV in use")
+        sock.close()
+        took = wait_for(idle, 10, "decoding: KV left behind")
+        print(f"decoding: idle {took:.1f} s after the client left")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    r.close()
+
+
 def _second_decode_worker(fleet) -> None:
     """decode-1 beside decode-0 (on the prefill engine's core), for the tests that need two."""
     if "decode-1" not in fleet.procs:

@@ -61,8 +61,11 @@ class DecodeHandler:
         rt.on_start.append(self.publisher.start)
 
     async def __call__(self, claimed: Claimed) -> None:
+        source = _Source(None, "")
         try:
-            await self._serve(claimed)
+            await self._serve(claimed, source)
+        except Fenced:
+            raise  # another worker owns the request now, and its handle with it
         except StateLost as exc:
             rid = str(exc)
             await self.rt.engine.abort(rid)
@@ -70,20 +73,42 @@ class DecodeHandler:
             await self.rt.fail(claimed, 502, "Redis lost this request's state (it restarted without the output "
                                              "already sent); retry the request", code="redis_state_lost",
                                dead_letter=False)
+        except BaseException:
+            # Ended before the engine took the prompt's handle (the client left while the entry was
+            # being claimed, or it failed): nobody will pull those blocks, so free them now rather
+            # than at the end of the prefill engine's lease. Not when the entry goes back to the
+            # queue (preempted, handed back): the next attempt pulls them.
+            if source.unpulled is not None and not self.rt.returning_to_queue():
+                await self._release(claimed.message.request, source.unpulled)
+            raise
 
-    async def _serve(self, claimed: Claimed) -> None:
+    async def _release(self, req: messages.GenerateRequest, handle: dict) -> None:
+        try:
+            # Shielded: a second cancellation must not leave the blocks held after all.
+            await asyncio.shield(self.rt.engine.release_kv(req.request_id, handle))
+        except Exception:  # noqa: BLE001 - the lease still frees them
+            log.warning("could not release the prefill engine's KV blocks of %s; its lease will", req.request_id,
+                        exc_info=True)
+            return
+        self.rt.timeline.emit(req.request_id, "kv_released", source_engine=handle.get("remote_engine_id"))
+
+    async def _serve(self, claimed: Claimed, source: _Source) -> None:
         work = claimed.message
         if not isinstance(work, messages.DecodeWork):
             await self.rt.fail(claimed, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
             return
         req = work.request
         run, claimed.run = claimed.run, None  # claimed with the entry (Runs.take), unless reclaimed
+        if work.kv_handle is not None and (run is None or run.attempt == 1):
+            source.unpulled = work.kv_handle  # this attempt's to pull, or to free if it ends first
         if run is None:
             run = await ride_out(lambda: self.rt.runs.claim(req.request_id, self.rt.worker_id), self.grace_s,
                                  f"claiming {req.request_id}")
         if run.done:  # an earlier attempt sent the final frame and died before its ack
             await self.rt.ack(claimed)
             return
+        if run.attempt > 1:
+            source.unpulled = None  # an earlier attempt had the handle (and may have pulled it)
         stream = _Stream(self, req, run)
         if run.output:
             self.rt.timeline.emit(req.request_id, "migrated", attempt=run.attempt, resumed_at_token=len(run.output))
@@ -94,10 +119,13 @@ class DecodeHandler:
                                    "retry the request", code="migration_refused")
             await self.rt.queues.ack(claimed)
             return
-        ereq, kv_handle, why_local = await self._plan(work, run)
-        if why_local:
-            observe.pd_fallback(self.rt, req, why_local)
-        source = _Source(kv_handle, why_local)
+        ereq, source.kv_handle, source.why_local = await self._plan(work, run)
+        if source.kv_handle is None:
+            source.unpulled = None  # expired, or its prefill worker is gone: nothing to free
+        else:
+            await self.rt.tombstone_checked(req.request_id)  # a client gone meanwhile: its blocks freed below
+        if source.why_local:
+            observe.pd_fallback(self.rt, req, source.why_local)
         started = now_ms()
         first_token_ms = 0
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
@@ -106,7 +134,7 @@ class DecodeHandler:
         last: GenerationChunk | None = None  # the engine's last chunk, sent together with the final frame
         kv_transfer: dict = {}
         # Prompt logprobs come from where the prompt was computed: the prefill engine's, handed off.
-        prompt_logprobs = work.prompt_logprobs if kv_handle is not None else None
+        prompt_logprobs = work.prompt_logprobs if source.kv_handle is not None else None
         try:
             if ereq.sampling.max_tokens > 0:
                 async for chunk in self._chunks(ereq, req, source):
@@ -180,6 +208,7 @@ class DecodeHandler:
         """The engine's chunks, with the prompt's KV pulled from `source` if it has a handle; if the
         pull fails before anything was generated, the prompt is computed here instead (NIXL handshake
         or transfer failed, or timed out): counted and shown as a fallback, never a silent bypass."""
+        source.unpulled = None  # the engine owns the handle now: an abort frees the blocks through vLLM
         try:
             async for chunk in self.rt.engine.generate(ereq, source.kv_handle):
                 yield chunk
@@ -239,6 +268,7 @@ class _Source:
 
     kv_handle: dict | None
     why_local: str
+    unpulled: dict | None = None  # a handle this attempt must pull or free, until the engine takes it
 
 
 class _Stream:

@@ -11,6 +11,7 @@ same request never reaches a decode worker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from skyline.core import messages
@@ -48,9 +49,19 @@ class PrefillHandler:
         t_handoff = observe.prefill_finished(self.rt, req, work, result.cached_tokens)
         # A Redis restart meanwhile must not waste the prefill: the hand-off is done once per
         # request however often it is sent, so it is retried until Redis is back (outage.py).
-        entry = await ride_out(lambda: self.rt.runs.hand_off(req.request_id, stream, entry_fields(work),
-                                                             self.rt.worker_id, self.rt.cfg.redis.stream_maxlen),
-                               self.rt.cfg.redis.outage_grace_s, f"handing {req.request_id} off")
+        handing = asyncio.ensure_future(ride_out(
+            lambda: self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
+                                          self.rt.cfg.redis.stream_maxlen),
+            self.rt.cfg.redis.outage_grace_s, f"handing {req.request_id} off"))
+        try:
+            entry = await asyncio.shield(handing)
+        except asyncio.CancelledError:
+            # Cancelled (its client left, a preemption, a hand-back) with the prompt computed: the
+            # blocks exist, so the hand-off completes and this request's work here is done. Dropped
+            # instead, nobody would free them before the lease ends; handed off, the decode worker
+            # that meets the client's tombstone frees them at once (workers/decode.py).
+            entry = await handing
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
         if entry is None:
             # Another attempt of this request (this entry was taken over while we
             # were slow, or delivered twice) handed it off first. Our KV blocks are

@@ -100,6 +100,7 @@ class WorkerRuntime:
         self.preempting: set[asyncio.Task] = set()
         self.handing_back: set[asyncio.Task] = set()
         self.cancel_requested: set[asyncio.Task] = set()  # cancelled by this worker, not yet unwound
+        self.tombstones: dict[str, asyncio.Task] = {}  # request id -> its "client left while queued?" check
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
                          "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
         self.timeline, self.metrics = observe.attach(self)  # request events -> Redis timeline, log line, metrics
@@ -278,6 +279,22 @@ class WorkerRuntime:
         self.cancel_requested.add(task)
         task.cancel()
 
+    async def tombstone_checked(self, rid: str) -> None:
+        """Wait for the answer to "did the client leave while it was queued?", asked when the request
+        was claimed: if it did, the calling request's task is cancelled (at this await at the latest).
+        A decode worker asks before its engine takes a handed-off prompt's handle: until then it can
+        free the prefill engine's blocks itself, while an engine request aborted as it is being
+        submitted may leave them to the lease."""
+        tombstone = self.tombstones.get(rid)
+        if tombstone is not None:
+            await asyncio.shield(tombstone)
+
+    def returning_to_queue(self) -> bool:
+        """Is the calling request's task being preempted or handed back (its entry goes back to the
+        queue, and another attempt serves it)?"""
+        me = asyncio.current_task()
+        return me in self.preempting or me in self.handing_back
+
     def cancel_pending(self) -> bool:
         """Was the calling request's task cancelled by this worker (the cancellation still on its way)?"""
         return asyncio.current_task() in self.cancel_requested
@@ -426,6 +443,7 @@ class WorkerRuntime:
             # saving every request a round trip before its first token: all it makes goes to the
             # client, so a yes cancels it as a cancel message would, before it has done more than start.
             tombstone = asyncio.create_task(self._cancel_if_tombstoned(rid, me))
+            self.tombstones[rid] = tombstone
             try:
                 if self.role == "prefill":
                     await asyncio.shield(tombstone)
@@ -463,6 +481,8 @@ class WorkerRuntime:
                                               f"{rid}", code="internal_error", detail=f"{type(exc).__name__}: {exc}")
             finally:
                 tombstone.cancel()
+                if self.tombstones.get(rid) is tombstone:
+                    del self.tombstones[rid]
                 self.preempting.discard(me)
                 self.handing_back.discard(me)
                 self.cancel_requested.discard(me)

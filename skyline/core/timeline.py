@@ -57,6 +57,7 @@ EVENTS = (
     "migrated",             # decode worker that took over a stream: from_worker, tokens_so_far
     "reclaimed",            # worker that took over an abandoned entry: stage, from_worker, idle_ms
     "cancelled",            # gateway (reason) or worker (phase: queued/prefill/decode)
+    "kv_released",          # decode worker: source_engine (a handed-off prompt's blocks freed unpulled)
     "failed",               # gateway or worker: reason, status, dead_letter
     "finished",             # decode worker: reason, prompt_tokens, completion_tokens
     "responded",            # gateway: status, ttft_ms, tpot_ms, e2e_ms, slo_met (the client's view)

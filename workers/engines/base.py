@@ -128,6 +128,12 @@ class Engine(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks. Unknown ids are ignored."""
 
+    async def release_kv(self, request_id: str, kv_handle: dict[str, Any]) -> None:
+        """Free the prefill engine's blocks behind `kv_handle` (a prompt handed off to this engine's
+        pool) without pulling them: the request ended before this engine took the handle (its client
+        left). Without it the prefill engine holds them for its whole lease. Engines with no remote
+        KV have nothing to free."""
+
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
 

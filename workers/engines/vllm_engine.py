@@ -126,6 +126,8 @@ class VllmEngine(Engine):
         self._in_flight: set[str] = set()
         self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
         self._remote_tokens: dict[str, int] = {}  # external request id -> tokens loaded via connector
+        self._pulled_from: set[str] = set()  # prefill engines this one has read KV from (NIXL handshake done)
+        self._nudges: set[asyncio.Task] = set()  # see release_kv
         self.start_seconds = 0.0
         # KV cache bytes of one token (K and V, every layer): sizes KV transfers in the timeline.
         self.kv_bytes_per_token: int | None = None
@@ -333,6 +335,8 @@ class VllmEngine(Engine):
         async for out in self._run(req, params):
             prompt_lps = logprobs.to_wire(out.prompt_logprobs) if first and out.prompt_logprobs else None
             first_output, first = first, False
+            if first_output and kv_handle is not None:
+                self._pulled_from.add(evidence["source_engine"])
             last = len(out.outputs) - 1
             for i, comp in enumerate(out.outputs):
                 if comp.finish_reason == "error":
@@ -401,6 +405,38 @@ class VllmEngine(Engine):
         # unknown ids are ignored by vLLM. The generator gets a final "abort" output.
         if self._llm is not None and request_id in self._in_flight:
             await self._llm.abort(request_id)
+
+    async def release_kv(self, request_id: str, kv_handle: dict[str, Any]) -> None:
+        # vLLM's own path for a hand-off its decode side refuses: a request submitted already
+        # aborted, whose connector tells the prefill engine (over NIXL, notification only) that its
+        # blocks will not be read. The id is this engine's; the prefill engine's is in the handle.
+        if self._llm is None:
+            return
+        handle = {k: v for k, v in kv_handle.items() if k != "remote_prefill_cached_tokens"}
+        await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-release", handle)
+        if handle.get("remote_engine_id") not in self._pulled_from:
+            # From a prefill engine this one has not read from, vLLM handshakes in the background and
+            # sends the notification at a later step, which an idle engine never takes (seen: the
+            # blocks stayed for the whole lease). Two one-token steps give it one, once the
+            # handshake had time; an engine with requests in flight steps anyway.
+            task = asyncio.ensure_future(self._step_soon(request_id))
+            self._nudges.add(task)
+            task.add_done_callback(self._nudges.discard)
+
+    async def _step_soon(self, request_id: str) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        for i, delay_s in enumerate((0.5, 2.0)):
+            await asyncio.sleep(delay_s)
+            if self._llm is None:
+                return
+            if not self._in_flight:
+                async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, f"{request_id}-step-{i}"):
+                    pass
 
     def stats(self) -> EngineStats:
         s = self._sched
