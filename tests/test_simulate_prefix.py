@@ -108,6 +108,11 @@ def test_turns_are_sent_a_think_time_after_their_answer_and_affinity_keeps_histo
             assert nxt.send_at == pytest.approx(prev.send_at + prev.latency_s + nxt.think_s)
     _reqs, _first, _sim2, without = _multiturn(4, False)
     hit, hit_off = with_affinity["prefix_cache"]["hit_rate"], without["prefix_cache"]["hit_rate"]
+    # The oracle (one infinite cache over what was sent before each first token) bounds both.
+    sessions.add_oracle(reqs, 16)
+    assert all(r.oracle_cached_tokens >= r.cached_tokens for r in reqs)
+    oracle = metrics.summarize(reqs, 1.0)["prefix_cache"]["oracle_hit_rate"]
+    assert hit <= oracle < hit + 0.1 and hit_off < oracle - 0.2, (hit, hit_off, oracle)
     # Four engines: without affinity a later turn finds its history where it was computed about 1 time in 4.
     assert hit > hit_off + 0.2, (hit, hit_off)
     assert with_affinity["ttft_ms"]["p50"] < without["ttft_ms"]["p50"]

@@ -30,21 +30,29 @@ def oracle_cached_tokens(sequences: Sequence[tuple[Sequence[int], Sequence[int]]
     sent before its first token holds: requests overtake each other in a fleet (the one sent second
     can be prefilled first, and the first then finds its prefix cached), so send order alone is no
     upper bound. Without windows, send order: each request sees those listed before it."""
-    n = len(sequences)
+    return oracle_of_chains([_chain(p, block_size) for p, _ in sequences],
+                            [_chain([*p, *o], block_size) for p, o in sequences],
+                            [len(p) for p, _ in sequences], block_size, windows)
+
+
+def oracle_of_chains(prompts: Sequence[Sequence[str]], held: Sequence[Sequence[str]], prompt_tokens: Sequence[int],
+                     block_size: int, windows: Sequence[tuple[float, float]] | None = None) -> list[int]:
+    """`oracle_cached_tokens` over requests given as block chains (the simulator's): each one's prompt
+    chain, the chain of its prompt + output (what a cache holds after it), its prompt length."""
+    n = len(prompts)
     if windows is None:
         windows = [(float(i), i + 0.5) for i in range(n)]
-    prompts = [_chain(p, block_size) for p, _ in sequences]
-    held_by = [Counter(_chain([*p, *o], block_size)) for p, o in sequences]
+    held_by = [Counter(h) for h in held]
     by_send = sorted(range(n), key=lambda i: windows[i][0])
-    held: Counter[str] = Counter()
+    now_held: Counter[str] = Counter()
     out = [0] * n
     added = 0
     for b in sorted(range(n), key=lambda i: windows[i][1]):
         while added < n and windows[by_send[added]][0] < windows[b][1]:
-            held.update(held_by[by_send[added]])
+            now_held.update(held_by[by_send[added]])
             added += 1
-        own = held_by[b] if windows[b][0] < windows[b][1] else Counter()  # b itself is in `held`: not its own hit
-        others = [h for h in prompts[b] if held[h] - own[h] > 0]
-        usable = max(0, len(sequences[b][0]) - 1) // block_size  # vLLM computes at least the last prompt token
+        own = held_by[b] if windows[b][0] < windows[b][1] else Counter()  # b itself is in `now_held`: not its own hit
+        others = [h for h in prompts[b] if now_held[h] - own[h] > 0]
+        usable = max(0, prompt_tokens[b] - 1) // block_size  # vLLM computes at least the last prompt token
         out[b] = min(matched_blocks(prompts[b], set(others)), usable) * block_size
     return out

@@ -82,6 +82,8 @@ def simulate_one(cfg, system: sysmod.SimSystem, reqs, drain_s: float, allow_demo
     t0 = time.perf_counter()
     duration = sim.run(reqs, drain_s)
     wall = time.perf_counter() - t0
+    if sim.caching:
+        sessions.add_oracle(reqs, system.perf_decode.block_size)  # the report's "of oracle"
     summary = (fast_summary if len(reqs) > fast_summary.FAST_ABOVE else metrics).summarize(reqs, duration)
     summary["sim"] = {**sim.describe(), "wall_s": round(wall, 3), "events": sim.loop.fired,
                       "simulated_s": round(duration, 3)}

@@ -27,6 +27,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from skyline.scheduler.prefix import chain_from
+from skyline.tools.bench.oracle import oracle_of_chains
 from skyline.tools.bench.multiturn import QUESTION_ROOM, MultiturnSpec, make_sessions
 from skyline.tools.bench.workload import WorkloadSpec, arrival_offsets, class_sequence
 from skyline.tools.simulate.request import SimRequest
@@ -200,3 +201,18 @@ def attach_chains(rows: Sequence[dict], reqs: Sequence[SimRequest], workload: di
         req.chain = _chain(prompt + answer, block_size)
         req.prompt_blocks = n // block_size
         req.session, req.turn = s, turn
+
+
+def add_oracle(reqs: Sequence[SimRequest], block_size: int) -> None:
+    """Each completed request's oracle hit (what one infinite prefix cache would have served it, the
+    bench's definition: `oracle_of_chains` over what was sent before its first token), where the
+    workload did not bring a measured one (a replayed run keeps its own)."""
+    done = [r for r in reqs if r.outcome == "ok" and r.chain is not None]
+    if not done or all(r.oracle_cached_tokens is not None for r in done):
+        return
+    hits = oracle_of_chains([r.chain[:r.prompt_blocks] for r in done], [r.chain for r in done],
+                            [r.prompt_tokens for r in done], block_size,
+                            [(r.send_at, r.send_at + r.ttft_s) for r in done])
+    for r, hit in zip(done, hits):
+        if r.oracle_cached_tokens is None:
+            r.oracle_cached_tokens = hit
