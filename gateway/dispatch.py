@@ -197,7 +197,9 @@ class Dispatcher:
         except (RedisError, OSError) as exc:
             session.finished = True  # never enqueued: nothing to cancel
             session.close(503)
-            raise ApiError(503, f"could not enqueue the request: {exc}", code="redis_unavailable") from None
+            err = ApiError(503, f"could not enqueue the request: {exc}", code="redis_unavailable")
+            err.recorded = True
+            raise err from None
         except Exception:  # the message did not encode: never enqueued, and its subscription must go
             session.finished = True
             session.close(500)

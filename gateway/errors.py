@@ -63,6 +63,9 @@ class ApiError(Exception):
         self.code = code
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers
+        # A request's session closed with this status already recorded it (request counter, timeline,
+        # SLO record): whoever passes the error on must not record it again.
+        self.recorded = False
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

@@ -204,9 +204,10 @@ class FleetClient:
         try:
             session = await self.dispatcher.submit(prep)
         except ApiError as exc:
-            self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status)
             scope.counted = True
-            observer.refused(prep, scope.raw, exc)
+            if not exc.recorded:
+                self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status)
+                observer.refused(prep, scope.raw, exc)
             raise
         prep = session.prep  # admission control may have demoted it
         observer.enqueued(prep, scope.raw, session.t_enqueue_ms, session.placement)

@@ -234,6 +234,36 @@ def test_a_responses_stream_relays_vllms_events_and_its_failures(fleet):
     assert events[-1].type == "error" and events[-1].message == "engine exploded"
 
 
+def test_a_request_redis_refuses_to_enqueue_is_counted_once(fleet, monkeypatch):
+    """XADD fails (Redis went away between admission and the enqueue): a 503, counted once in
+    skyline_gateway_requests_total (the session that closed counts it; the refusal is not counted
+    again on its way out)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    import skyline.gateway.dispatch as dispatch
+
+    gw, client, _worker, _pool = fleet
+
+    async def refused(*_a, **_k):
+        raise RedisConnectionError("connection reset")
+
+    monkeypatch.setattr(dispatch, "enqueue", refused)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
+
+    def counted() -> float:
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("skyline_gateway_requests_total") and 'status="503"' in line)
+
+    deadline = time.monotonic() + 2  # the session records its status just after the response
+    while counted() < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert counted() == 1
+
+
 def _chat_failing_mid_stream(fleet, send_frames) -> None:
     """A streamed chat whose worker sends "par" then fails: the text arrives, then the error."""
     _gw, client, worker, pool = fleet
