@@ -25,5 +25,8 @@ def serve(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len:
         access_log=False,
         log_level="info",
         log_config=None,  # uvicorn's own lines go through Skyline's handler (skyline/core/logs.py: text or json)
-        timeout_graceful_shutdown=10,
+        # On SIGTERM uvicorn stops accepting connections and lets open responses finish: as long as
+        # the workers may drain theirs (worker.drain_timeout_s), so a fleet stopping as a whole
+        # (skyline up's Ctrl-C, a rollout) delivers what its workers still finish.
+        timeout_graceful_shutdown=cfg.worker.drain_timeout_s + 5,
     )

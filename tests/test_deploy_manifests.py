@@ -157,6 +157,7 @@ def test_skyline_command_lines_parse_and_ports_agree(resources):
         else:
             assert args.command == component == "gateway"
             assert ports["http"] == args.port == int(annotations["prometheus.io/port"])
+            assert pod["spec"]["terminationGracePeriodSeconds"] >= 90  # it relays what the workers drain
         for probe in ("readinessProbe", "livenessProbe"):
             target = c.get(probe, {}).get("httpGet") or c.get(probe, {}).get("tcpSocket")
             if target:

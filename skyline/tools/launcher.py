@@ -341,13 +341,15 @@ def _show_death(child: Child, console: Console, verbose: bool) -> None:
 def _stop_all(children: list[Child], drain_timeout_s: float) -> None:
     # Workers first (they drain and deregister), the gateway last. A worker may take its drain
     # bound and then some (workers/runtime.py ends itself past that, logging where it hung);
-    # only what outlives that gets SIGKILL, and the terminal says so.
+    # only what outlives that gets SIGKILL, and the terminal says so. The gateway gets the same
+    # bound: it refuses new requests at once, and the streams the workers are draining reach
+    # their clients through it until the workers are done.
     for child in sorted(children, key=lambda c: c.role == "gateway"):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     for child in children:
-        limit_s = 30.0 if child.role in ("gateway", "batch") else drain_timeout_s + 60
+        limit_s = 30.0 if child.role == "batch" else drain_timeout_s + 60
         try:
             child.proc.wait(timeout=max(0.1, t0 + limit_s - time.monotonic()))
         except subprocess.TimeoutExpired:
