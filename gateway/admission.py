@@ -35,8 +35,8 @@ def apply_admission(
     """The request as it may be enqueued (possibly demoted), decided on `backlog` (tier -> tokens
     queued in its stage, read while its own prompt was reserved: `skyline.core.streams.queue_reservation`;
     `handoff_ms`: on the disaggregated route, the wait for a busy decode worker's step,
-    `skyline.scheduler.admission.handoff_wait_ms`); or an ApiError (429/503). No I/O: the dispatcher releases the reservation of a refused request, and
-    the enqueue moves a demoted one's to its new tier."""
+    `skyline.scheduler.admission.handoff_wait_ms`); or an ApiError (429/503). No I/O: the dispatcher
+    releases the reservation of a refused request, and the enqueue moves a demoted one's to its new tier."""
     req = prep.request
     stage, tokens = stage_of(prep.route), prep.prefill_tokens  # what its prefix cache does not hold
     d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
