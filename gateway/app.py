@@ -318,6 +318,11 @@ class _GenerationRoutes:
                 raise
             scope.close_all(CLIENT_CLOSED)  # the client left before the first chunk: nothing to send
             return Response(status_code=CLIENT_CLOSED)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM's Responses stream passes generate()'s errors on raw
+            scope.close_all(500)
+            raise scope.error or from_vllm(exc, scope.preps[0].request.request_id if scope.preps else None) from None
         if scope.error is not None and not scope.started:
             await chunks.aclose()
             raise scope.error
@@ -360,13 +365,15 @@ async def _chain(head: list[str], rest: Any, scope: RequestScope) -> AsyncIterat
     try:
         async for chunk in rest:
             yield chunk
-    except ApiError as exc:
+    except Exception as exc:  # noqa: BLE001 - answered below
         if scope.kind != "responses":
             raise
         # A Responses stream has no error chunk of vLLM's own: its failure event, as the API defines it
         # (a chat or completion stream's failure is vLLM's error chunk, written by its serving code).
-        yield "event: error\ndata: " + json.dumps({"type": "error", "code": exc.code, "message": exc.message,
-                                                   "param": exc.param, "sequence_number": -1}) + "\n\n"
+        err = exc if isinstance(exc, ApiError) else from_vllm(exc, scope.preps[0].request.request_id
+                                                             if scope.preps else None)
+        yield "event: error\ndata: " + json.dumps({"type": "error", "code": err.code, "message": err.message,
+                                                   "param": err.param, "sequence_number": -1}) + "\n\n"
 
 
 _RESPONSE_OPENING = ("event: response.created\n", "event: response.in_progress\n")

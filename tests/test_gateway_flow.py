@@ -224,6 +224,9 @@ def test_a_responses_stream_relays_vllms_events_and_its_failures(fleet):
     worker.send(messages.Failed(msg.request_id, 0, 429, "shed: SLO cannot be met", "rate_limit_error"))
     with pytest.raises(openai.RateLimitError):
         fut.result()
+    # Refused by the gateway itself (vLLM's own error type, raised on its way to the fleet): a 400 too.
+    with pytest.raises(openai.BadRequestError, match="session_id"):
+        client.responses.create(**kw, extra_headers={"x-session-id": "s"})
 
     fut = pool.submit(run)
     _f, msg = worker.take("prefill")
