@@ -134,6 +134,10 @@ def test_hit_rates_are_in_prompt_tokens_over_completed_requests():
     assert pc["of_oracle"] == pytest.approx(150 / 240)
     none = summarize([_record(100, None, None)], 1.0)["prefix_cache"]  # a server that says nothing
     assert math.isnan(none["hit_rate"]) and math.isnan(none["oracle_hit_rate"]) and math.isnan(none["of_oracle"])
+    # A disaggregated fleet says nothing of a prompt the prefill pool computed: the ratio leaves it out too.
+    split = summarize([_record(300, 150, 240), _record(1000, None, 900)], 1.0)["prefix_cache"]
+    assert split["hit_rate"] == 150 / 300 and split["oracle_hit_rate"] == 1140 / 1300
+    assert split["of_oracle"] == pytest.approx(150 / 240)
 
 
 def test_cached_tokens_come_from_skyline_or_from_openai_usage():
@@ -143,6 +147,19 @@ def test_cached_tokens_come_from_skyline_or_from_openai_usage():
     # A prompt a prefill worker computed: the decode engine's "cached" is the KV it pulled, not a hit.
     assert cached_tokens(RequestRecord(skyline={"kv_transfer": {"remote_prefill": True, "num_cached_tokens": 900}})) \
         is None
+
+
+def test_routes_count_the_completed_requests_that_skipped_the_prefill_pool():
+    def rec(route: str, turn: int, outcome: str = "ok") -> BenchRecord:
+        r = _record(500, None, 0, outcome=outcome)
+        r.skyline, r.turn = {"route": route}, turn
+        return r
+
+    recs = [rec("disagg", 0), rec("colocated", 0), rec("colocated", 1), rec("colocated", 2), rec("disagg", 1),
+            rec("colocated", 1, outcome="cancelled")]
+    assert summarize(recs, 1.0)["routes"] == {"colocated": 3, "disagg": 2,
+                                              "later_turns": {"colocated": 2, "disagg": 1}}
+    assert summarize([_record(100, 0, 0)], 1.0)["routes"] == {}  # not Skyline: nobody said
 
 
 def test_the_affinity_off_config_keeps_every_other_setting(tmp_path):

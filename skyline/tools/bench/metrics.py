@@ -51,12 +51,30 @@ def _hit_rate(records: list[BenchRecord], cached: Callable[[BenchRecord], int | 
 def prefix_cache(ok: list[BenchRecord]) -> dict:
     """The prefix-cache hit rate the server reported, the oracle's (one infinite cache, `oracle.py`)
     and their ratio, over completed requests. NaN where nobody said (a server that reports no cached
-    tokens; a workload without the oracle)."""
+    tokens; a workload without the oracle). The ratio is over the requests whose hits were reported:
+    a disaggregated fleet reports none for a prompt the prefill pool computed, and its hits over the
+    rest against the oracle over all would mix two sets (and can pass 100%)."""
     rate, hit, prompt = _hit_rate(ok, lambda r: r.cached_tokens)
-    orate, ohit, oprompt = _hit_rate(ok, lambda r: r.oracle_cached_tokens)
+    orate, ohit, _ = _hit_rate(ok, lambda r: r.oracle_cached_tokens)
+    _, same, _ = _hit_rate([r for r in ok if r.cached_tokens is not None], lambda r: r.oracle_cached_tokens)
     return {"hit_rate": rate, "oracle_hit_rate": orate,
-            "of_oracle": rate / orate if orate > 0 else float("nan"),  # (NaN compares False: NaN stays)
+            "of_oracle": hit / same if same > 0 else float("nan"),
             "cached_tokens": hit, "prompt_tokens": prompt, "oracle_cached_tokens": ohit}
+
+
+def routes(ok: list[BenchRecord]) -> dict:
+    """Where a Skyline fleet computed the completed prompts (the gateway's `skyline.route`): `colocated`
+    on the decode worker, skipping the prefill pool; `disagg` through it. Again for the later turns of
+    conversations (turn >= 1): those whose history the decode worker holds may skip it however long
+    they are. {} where the server does not say (not Skyline)."""
+    said = [r for r in ok if r.skyline.get("route")]
+    if not said:
+        return {}
+
+    def count(recs: list[BenchRecord]) -> dict[str, int]:
+        return {route: sum(r.skyline["route"] == route for r in recs) for route in ("colocated", "disagg")}
+
+    return {**count(said), "later_turns": count([r for r in said if r.turn >= 1])}
 
 
 def summarize(records: list[BenchRecord], duration_s: float) -> dict:
@@ -86,6 +104,7 @@ def summarize(records: list[BenchRecord], duration_s: float) -> dict:
         "itl_ms": latency_stats([g for r in ok for g in r.itl_s]),
         "e2e_ms": latency_stats([r.latency_s for r in ok]),
         "prefix_cache": prefix_cache(ok),
+        "routes": routes(ok),
     }
 
 

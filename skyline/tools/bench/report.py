@@ -23,10 +23,12 @@ DEFINITIONS = (
     f"(DistServe); attainment = attained / sent, so 429s, errors and cancellations count as missed. "
     f"Goodput = highest rate with attainment >= {SLO_GOAL:.0%}, linearly interpolated between the sweep's rates. "
     "Prefix-cache hit = sum(cached prompt tokens) / sum(prompt tokens) over completed requests, as the server "
-    "reports them (Skyline: skyline.kv_transfer.num_cached_tokens, not for prompts a prefill worker computed; "
+    "reports them (Skyline: skyline.kv_transfer.num_cached_tokens, not for prompts a prefill worker computed, "
+    "so a disaggregated fleet's hit counts only prompts that skipped the prefill pool, its oracle all of them; "
     "vLLM: usage.prompt_tokens_details.cached_tokens); oracle = what one infinite prefix cache would have hit "
     "for the same requests, in whole blocks of the engine's block size (each request's longest prefix shared "
-    "with an earlier request's prompt + answer, the prompt's last token always computed); of oracle = hit / oracle."
+    "with an earlier request's prompt + answer, the prompt's last token always computed); of oracle = hit / oracle "
+    "over the requests whose hits were reported."
 )
 
 
@@ -92,6 +94,7 @@ def markdown(results: dict) -> str:
             f"{_f(s['total_token_throughput'], 1)} | {_f(s['request_throughput'], 2)} |{cache_cells}"
         )
     lines += _oracle_lines(results)
+    lines += _route_lines(results)
     lines += ["", f"## Goodput (highest rate with SLO attainment >= {SLO_GOAL:.0%})", "",
               f"| system | goodput ({unit}) | status |", "|---|---|---|"]
     for name, info in results["systems"].items():
@@ -121,6 +124,27 @@ def _oracle_lines(results: dict) -> list[str]:
     shown = "; ".join(f"{size} tokens ({', '.join(names)})" for size, names in sorted(by_size.items()))
     return ["", f"Oracle: one infinite prefix cache over the same requests, in blocks of {shown}. "
                 "Prefix-cache hit rates are in prompt tokens."]
+
+
+def _route_lines(results: dict) -> list[str]:
+    """The disaggregated fleets' share of completed requests that skipped the prefill pool: what prefix
+    caching buys them (their hit-rate column counts only those, the prefill worker's cache is not reported)."""
+    disagg = {run["system"] for run in results["runs"] if run["summary"].get("routes", {}).get("disagg")}
+    cells = []
+    for run in results["runs"]:
+        rt = run["summary"].get("routes", {})
+        if run["system"] in disagg and rt:
+            later = rt["later_turns"]
+            cells.append(f"{run['system']} at {run['rate']:g}: {_pct(_share(rt))} / {_pct(_share(later))}")
+    if not cells:
+        return []
+    return ["", "Skipped the prefill pool (route colocated), of completed requests / of later turns: "
+            + "; ".join(cells) + "."]
+
+
+def _share(counts: dict) -> float:
+    n = counts["colocated"] + counts["disagg"]
+    return counts["colocated"] / n if n else float("nan")
 
 
 def _goal_lines(results: dict) -> list[str]:
