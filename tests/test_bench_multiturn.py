@@ -162,6 +162,25 @@ def test_routes_count_the_completed_requests_that_skipped_the_prefill_pool():
     assert summarize([_record(100, 0, 0)], 1.0)["routes"] == {}  # not Skyline: nobody said
 
 
+def test_every_system_is_listed_and_the_disagg_ones_stay_one_prefill_one_decode():
+    import argparse
+
+    from skyline.tools.bench.options import add_run_arguments
+    from skyline.tools.bench.run import Bench
+    from skyline.tools.bench.systems import SYSTEMS
+
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    listed = next(a.help for a in p._actions if a.dest == "systems").split("Known: ")[1]
+    assert sorted(n.strip() for n in listed.split(",")) == sorted(SYSTEMS)
+    names = ["skyline-disagg-affinity", "skyline-disagg-no-affinity", "sim-disagg-affinity", "sim-disagg-no-affinity"]
+    got = {s.name: (s.mode, s.engines, s.affinity, s.engine) for s in Bench._systems(",".join(names), 4)}
+    assert got == {"skyline-disagg-affinity": ("disagg", 1, True, "vllm"),
+                   "skyline-disagg-no-affinity": ("disagg", 1, False, "vllm"),
+                   "sim-disagg-affinity": ("disagg", 1, True, "sim"),
+                   "sim-disagg-no-affinity": ("disagg", 1, False, "sim")}
+
+
 def test_the_affinity_off_config_keeps_every_other_setting(tmp_path):
     base = ROOT / "deploy" / "skyline.toml"
     path = with_changes(str(base), {"gateway": {"prefix_affinity": False}}, tmp_path / "off.toml")

@@ -33,13 +33,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, run in this order; the first is the SLO baseline (default: "
                         f"{DEFAULT_SYSTEMS['mixed']}; with --workload multiturn: {DEFAULT_SYSTEMS['multiturn']}). "
                         "Known: vllm-fcfs, vllm-priority, skyline-colocated, skyline-disagg, vllm-rr, skyline-affinity, "
-                        "skyline-no-affinity, sim-colocated, sim-disagg, sim-affinity, sim-no-affinity")
+                        "skyline-no-affinity, skyline-disagg-affinity, skyline-disagg-no-affinity, sim-colocated, "
+                        "sim-disagg, sim-affinity, sim-no-affinity, sim-disagg-affinity, sim-disagg-no-affinity")
     p.add_argument("--workload", default="mixed", choices=["mixed", "multiturn"],
                    help="mixed: independent chat and RAG requests (default); multiturn: conversations of several "
                         "turns and RAG questions over shared documents, one system prompt (prefix-cache reuse)")
     p.add_argument("--engines", type=int, default=2,
-                   help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, sim-...), "
-                        "one core each; default 2")
+                   help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, and their "
+                        "sim- twins), one core each; default 2 (the disagg systems are always 1 prefill + 1 decode)")
     p.add_argument("--turns", default="3-5", help="multiturn: turns per conversation LO-HI (default 3-5)")
     p.add_argument("--think-s", type=float, default=1.5,
                    help="multiturn: mean think time (s, exponential) between an answer and the next turn; default 1.5")

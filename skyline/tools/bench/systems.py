@@ -10,7 +10,10 @@ between ways of using the same hardware:
   vllm-rr            N plain vLLM servers, one core each, behind a round-robin proxy (rrproxy.py)
   skyline-affinity   Skyline gateway + Redis + N colocated decode workers, one core each (prefix affinity)
   skyline-no-affinity  the same with [gateway] prefix_affinity = false
-  sim-colocated / sim-disagg / sim-affinity / sim-no-affinity   the Skyline fleets on the `sim` engine (tests)
+  skyline-disagg-affinity     skyline-disagg (1 prefill + 1 decode worker) for the multi-turn workload
+  skyline-disagg-no-affinity  the same with [gateway] prefix_affinity = false
+  sim-colocated / sim-disagg / sim-affinity / sim-no-affinity / sim-disagg-affinity / sim-disagg-no-affinity
+                     the Skyline fleets on the `sim` engine (tests)
   endpoint           an already running OpenAI-compatible server (--endpoint)
 The N-engine systems (N = `engines`, the bench's --engines) compare N prefix caches placed by
 prefix with N caches placed blindly, on the same N cores.
@@ -68,6 +71,14 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("sim-affinity", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES),
     SystemSpec("sim-no-affinity", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES,
                affinity=False),
+    # Disaggregated, 1 prefill + 1 decode worker (engines=1: --engines leaves them so). With one decode
+    # worker nothing is placed, so the pair can differ only in the route (issue 21 item 4: a turn whose
+    # history the decode worker holds skips the prefill pool); the gateway's route reads the cache view
+    # whatever prefix_affinity says, so today both route alike (tests/test_bench_e2e_multiturn_disagg.py).
+    SystemSpec("skyline-disagg-affinity", "skyline", "skyline", mode="disagg"),
+    SystemSpec("skyline-disagg-no-affinity", "skyline", "skyline", mode="disagg", affinity=False),
+    SystemSpec("sim-disagg-affinity", "skyline", "skyline", engine="sim", mode="disagg"),
+    SystemSpec("sim-disagg-no-affinity", "skyline", "skyline", engine="sim", mode="disagg", affinity=False),
 )}
 DEFAULT_SYSTEMS = ("vllm-fcfs", "vllm-priority", "skyline-colocated", "skyline-disagg")
 
