@@ -107,24 +107,27 @@ def admit(
 
 
 def _admit(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms: int, prompt_tokens: int,
-           queued: Mapping[str, int], rate: float | None, scale: float, allow_demotion: bool) -> Decision:
+           queued: Mapping[str, int], rate: float | None, scale: float, allow_demotion: bool,
+           wait_ms: float = 0.0) -> Decision:
     """`admit` on the load's parts (once per request in a simulated hour: 3.6 M times, so no records
-    are built on the way to the common answer; the arithmetic is `tokens_ahead` and `_predict_ms`'s)."""
+    are built on the way to the common answer; the arithmetic is `tokens_ahead` and `_predict_ms`'s).
+    `wait_ms`: a wait the request has on top of the first-token overhead in any tier (`handoff_wait_ms`)."""
     if sum(queued.values()) + prompt_tokens > policy.max_queued_tokens:
         return Decision("overloaded", tier, math.inf, retry_after_s=5, reason="prefill backlog is full")
     ahead = 0
     for name in _tiers_ahead(tiers, tier):
         ahead += queued.get(name, 0)
-    predicted = ((ahead + prompt_tokens) * 1000.0 / (rate or policy.prior_prefill_tokens_per_s)
-                 + policy.first_token_overhead_ms) * scale
+    rate = rate or policy.prior_prefill_tokens_per_s
+    overhead_ms = policy.first_token_overhead_ms + wait_ms
+    predicted = ((ahead + prompt_tokens) * 1000.0 / rate + overhead_ms) * scale
     # Nothing ahead: the request would be served first, so refusing it cannot help
     # anyone (and a too-pessimistic throughput estimate must not shed an idle fleet).
     if predicted <= ttft_ms or tier not in policy.sheddable_tiers or ahead == 0:
         return Decision("admit", tier, predicted)
     if allow_demotion:
-        load = FleetLoad(queued, rate, scale)
         for looser in sorted((t for t in tiers if t.ttft_ms > ttft_ms), key=lambda t: t.ttft_ms):
-            p = predict_ttft_ms(policy, tiers, looser.name, prompt_tokens, load)
+            looser_ahead = sum(queued.get(name, 0) for name in _tiers_ahead(tiers, looser.name))
+            p = ((looser_ahead + prompt_tokens) * 1000.0 / rate + overhead_ms) * scale
             if p <= looser.ttft_ms or looser.name not in policy.sheddable_tiers:
                 return Decision("demote", looser.name, p, reason=f"demoted from {tier}: predicted TTFT {predicted:.0f} ms")
     retry = max(1, math.ceil((predicted - ttft_ms) / 1000.0))
@@ -216,9 +219,7 @@ def decide(policy: AdmissionPolicy, tiers: tuple[Tier, ...], tier: str, ttft_ms:
     model TTFT to learn from when the request ends (`learn_ttft`): only for an admission as asked (a
     demoted request's prediction was made for another tier; a refused one is never measured)."""
     scale = calibration._scale.get((stage, tier), 1.0) if calibration is not None else 1.0  # .scale(), inlined
-    if handoff_ms:
-        policy = replace(policy, first_token_overhead_ms=policy.first_token_overhead_ms + handoff_ms)
-    d = _admit(policy, tiers, tier, ttft_ms, prompt_tokens, backlog, rate, scale, allow_demotion)
+    d = _admit(policy, tiers, tier, ttft_ms, prompt_tokens, backlog, rate, scale, allow_demotion, handoff_ms)
     return d, (d.predicted_ttft_ms / scale if d.action == "admit" else None)
 
 
