@@ -87,7 +87,9 @@ class Dispatcher:
         fleet, r, cfg = self.fleet, self.redis, self.cfg
         assert fleet is not None and r is not None
         req = prep.request
-        look = look_up(fleet.workers, req, cfg.gateway.affinity_max_blocks)
+        # With prefix affinity off the gateway is blind to the caches: no placement, and the route and
+        # admission count the whole prompt (the baseline `skyline bench`'s *-no-affinity systems measure).
+        look = look_up(fleet.workers, req, cfg.gateway.affinity_max_blocks) if cfg.gateway.prefix_affinity else None
         reserving = Reservation(stage_of(prep.route), req.tier, len(req.prompt_token_ids)) \
             if cfg.gateway.admission else None
         pipe = r.pipeline(transaction=False)

@@ -6,10 +6,9 @@ conversation) has only its new tokens to compute, so it skips the prefill pool h
 and the decode worker then reports most of it cached; a prompt with a long new part (a question over
 a document the decode worker does not hold yet) still goes through the prefill pool.
 
-Both fleets are held to that. With one decode worker prefix affinity places nothing, and the route
-reads the cache view whether `[gateway] prefix_affinity` is on or off (gateway/dispatch.py `_route`),
-so today the two route alike: were affinity off to mean "route on prompt length", the assertions on
-`sim-disagg-no-affinity` below are the ones to change.
+With one decode worker prefix affinity places nothing; what it changes is the route: with
+`[gateway] prefix_affinity = false` the gateway reads no cache view and routes on prompt length, so the
+same turns go through the prefill pool.
 """
 
 from __future__ import annotations
@@ -49,27 +48,43 @@ def _prompt(r: dict) -> int:
     return r["server_prompt_tokens"] or r["prompt_tokens"]
 
 
+def _later_long(results, system: str) -> tuple[list[dict], list[dict]]:
+    """Later turns long enough for the prefill pool, and those of them that skipped it."""
+    later = [r for r in _served(results, system) if r["turn"] >= 1 and _prompt(r) >= MIN_REMOTE]
+    return later, [r for r in later if r["skyline"]["route"] == "colocated"]
+
+
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_a_turn_whose_history_the_decode_worker_holds_skips_the_prefill_pool(bench_run, system):
+def test_both_fleets_serve_and_place_nothing(bench_run, system):
     results, _ = bench_run
     assert results["systems"][system]["status"] == "ok"
     served = _served(results, system)
     sent = [r for r in results["records"] if r["system"] == system]
     assert len(served) >= 0.8 * len(sent) > 0, [(r["outcome"], r["error"]) for r in sent]
     assert all(r["skyline"]["placement"] is None for r in served)  # one decode worker: nothing to place
+    # The fleet does disaggregate: what the decode worker does not hold goes through the prefill pool.
+    through = [r for r in served if r["skyline"]["route"] == "disagg"]
+    assert through and all(r["skyline"]["prefill_worker"] and r["cached_tokens"] is None for r in through)
 
-    later = [r for r in served if r["turn"] >= 1 and _prompt(r) >= MIN_REMOTE]
-    skipped = [r for r in later if r["skyline"]["route"] == "colocated"]
+
+def test_a_turn_whose_history_the_decode_worker_holds_skips_the_prefill_pool(bench_run):
+    results, _ = bench_run
+    later, skipped = _later_long(results, "sim-disagg-affinity")
     detail = [(r["session"], r["turn"], _prompt(r), r["skyline"]["route"], r["cached_tokens"]) for r in later]
     assert later and len(skipped) >= 0.5 * len(later), detail
     # Long enough for the prefill pool, yet routed to the decode worker: only its cache could do that,
     # and its engine then computed fewer tokens than the bound (the route's count was right).
-    for r in (r for r in served if r["skyline"]["route"] == "colocated" and _prompt(r) >= MIN_REMOTE):
+    for r in (r for r in _served(results, "sim-disagg-affinity")
+              if r["skyline"]["route"] == "colocated" and _prompt(r) >= MIN_REMOTE):
         assert 0 < r["cached_tokens"] and _prompt(r) - r["cached_tokens"] < MIN_REMOTE, r["skyline"]
 
-    # The fleet does disaggregate: what the decode worker does not hold goes through the prefill pool.
-    through = [r for r in served if r["skyline"]["route"] == "disagg"]
-    assert through and all(r["skyline"]["prefill_worker"] and r["cached_tokens"] is None for r in through)
+
+def test_with_affinity_off_the_route_ignores_the_cache(bench_run):
+    results, _ = bench_run
+    later, skipped = _later_long(results, "sim-disagg-no-affinity")
+    # Routed on prompt length: a long prompt skips the prefill pool only when that pool's backlog is
+    # past its bound (scheduler/disagg.py), which this light load never reaches.
+    assert later and not skipped, [(r["turn"], _prompt(r), r["skyline"]) for r in skipped]
 
 
 def test_the_report_says_how_many_skipped_the_prefill_pool(bench_run):
@@ -83,7 +98,11 @@ def test_the_report_says_how_many_skipped_the_prefill_pool(bench_run):
         assert routes["disagg"] == sum(r["skyline"]["route"] == "disagg" for r in served) > 0
         assert sum(routes["later_turns"].values()) == sum(r["turn"] >= 1 for r in served)
         pc = run["summary"]["prefix_cache"]  # hits only of what skipped the prefill pool, and the oracle's of those
-        assert pc["block_size"] == 16 and 0 < pc["of_oracle"] <= 1, pc
+        assert pc["block_size"] == 16, pc
+        if run["system"] == "sim-disagg-affinity":
+            assert 0 < pc["of_oracle"] <= 1, pc
+        else:  # only short prompts skip the prefill pool: the oracle may hit nothing of them
+            assert pc["of_oracle"] is None or pc["of_oracle"] <= 1, pc
         share = routes["colocated"] / (routes["colocated"] + routes["disagg"])
         assert f"{run['system']} at {RATE:g}: {100 * share:.0f}% / " in md
     assert "Skipped the prefill pool (route colocated)" in md

@@ -74,7 +74,7 @@ def routes(ok: list[BenchRecord]) -> dict:
     def count(recs: list[BenchRecord]) -> dict[str, int]:
         return {route: sum(r.skyline["route"] == route for r in recs) for route in ("colocated", "disagg")}
 
-    return {**count(said), "later_turns": count([r for r in said if r.turn >= 1])}
+    return {**count(said), "later_turns": count([r for r in said if (r.turn or 0) >= 1])}  # (simulated: None)
 
 
 def summarize(records: list[BenchRecord], duration_s: float) -> dict:

@@ -72,9 +72,9 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("sim-no-affinity", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES,
                affinity=False),
     # Disaggregated, 1 prefill + 1 decode worker (engines=1: --engines leaves them so). With one decode
-    # worker nothing is placed, so the pair can differ only in the route (issue 21 item 4: a turn whose
-    # history the decode worker holds skips the prefill pool); the gateway's route reads the cache view
-    # whatever prefix_affinity says, so today both route alike (tests/test_bench_e2e_multiturn_disagg.py).
+    # worker nothing is placed, so the pair differs in the route (issue 21 item 4: a turn whose history
+    # the decode worker holds skips the prefill pool; with affinity off the gateway reads no cache view
+    # and routes on prompt length, tests/test_bench_e2e_multiturn_disagg.py).
     SystemSpec("skyline-disagg-affinity", "skyline", "skyline", mode="disagg"),
     SystemSpec("skyline-disagg-no-affinity", "skyline", "skyline", mode="disagg", affinity=False),
     SystemSpec("sim-disagg-affinity", "skyline", "skyline", engine="sim", mode="disagg"),

@@ -186,7 +186,7 @@ class Simulation:
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
         n = req.prompt_tokens
-        match = self._match(req) if req.chain is not None and self.caching else None
+        match = self._match(req) if req.chain is not None and self.affinity is not None else None  # off: blind
         left = match.best_uncached("decode") if match is not None else n  # the route counts what is left
         faster = None
         if self.admission is not None and self.prefill_workers:  # as the live gateway: with the backlog read

@@ -69,6 +69,11 @@ class SimRequest:
         req.next_turn = self.next_turn.resent() if self.next_turn is not None else None
         return req
 
+    @property
+    def skyline(self) -> dict:
+        """The part of a bench record's `skyline` block the bench's summary reads (`metrics.routes`)."""
+        return {"route": self.route}
+
     def finish(self, overhead_s: float) -> None:
         """Verdict once the last token is out; `overhead_s` is the fleet's own hops (gateway, Redis, pub/sub)."""
         self.outcome = "ok"

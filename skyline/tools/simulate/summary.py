@@ -84,7 +84,19 @@ def summarize(requests, duration_s: float) -> dict:
         "itl_ms": _stats(np.asarray(itl, float) * 1000),
         "e2e_ms": _stats(lat[ok]),
         "prefix_cache": _prefix_cache(column("cached_tokens", np.int64)[ok], prompt_used[ok]),
+        "routes": _routes(list(compress(column("route"), ok_list)), list(compress(column("turn"), ok_list))),
     }
+
+
+def _routes(route: list[str], turn: list) -> dict:
+    """`metrics.routes` of the completed requests' routes and turns (None: not a session's)."""
+    def count(pairs: Counter) -> dict[str, int]:
+        return {r: pairs[r] for r in ("colocated", "disagg")}
+
+    if not route:
+        return {}
+    later = Counter(r for r, t in zip(route, turn) if t)
+    return {**count(Counter(route)), "later_turns": count(later)}
 
 
 def _prefix_cache(cached: np.ndarray, prompt: np.ndarray) -> dict:
