@@ -44,7 +44,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-# A worker whose KV cache is this full would evict to make room: not one to wait for.
+# A worker whose KV cache is this full would evict to make room: not one to wait for (nor one whose
+# claim rule stops below it: a decode worker's `kv_watermark`, which its heartbeat carries).
 KV_FULL = 0.95
 
 _ROOT = hashlib.blake2b(b"skyline-prefix-chain-v1", digest_size=8).digest()
@@ -153,11 +154,13 @@ class WorkerLoad(Protocol):
     running: int
     max_running: int
     kv_usage: float
+    kv_watermark: float  # 0: it claims at any KV usage
 
 
 def overloaded(w: WorkerLoad) -> bool:
-    """Full by its last heartbeat: as many requests as it may hold, or a KV cache about to evict."""
-    return (w.max_running > 0 and w.running >= w.max_running) or w.kv_usage >= KV_FULL
+    """Full by its last heartbeat: as many requests as it may hold, a KV usage at which its claim rule
+    takes nothing more (`ClaimRoom.decode`), or a KV cache about to evict."""
+    return (w.max_running > 0 and w.running >= w.max_running) or w.kv_usage >= min(w.kv_watermark or KV_FULL, KV_FULL)
 
 
 @dataclass(frozen=True)

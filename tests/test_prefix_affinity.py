@@ -20,6 +20,7 @@ from skyline.scheduler.prefix import (
     chain_from,
     matched_blocks,
     may_claim,
+    overloaded,
     place,
     wait_bound_ms,
 )
@@ -56,6 +57,20 @@ def test_placement_waits_for_the_longest_holder_that_is_not_overloaded():
     assert place(policy, [Holder("w1", 1, False), Holder("w2", 0, False)]) is None  # not worth waiting for
     assert place(policy, [w3]) == w3  # alone of its stage (the gateway places only with two or more)
     assert place(AffinityPolicy(enabled=False), [w1, w3]) is None
+
+
+def test_a_worker_is_full_where_its_own_claim_rule_stops():
+    from types import SimpleNamespace
+
+    def beat(running=0, kv=0.0, watermark=0.0):
+        return SimpleNamespace(running=running, max_running=8, kv_usage=kv, kv_watermark=watermark)
+
+    assert overloaded(beat(running=8)) and not overloaded(beat(running=7))
+    # A decode worker claims nothing from its kv_watermark on: placement must not wait for it there.
+    assert overloaded(beat(kv=0.9, watermark=0.9)) and not overloaded(beat(kv=0.89, watermark=0.9))
+    # No watermark (a prefill worker): full only where its cache would evict.
+    assert not overloaded(beat(kv=0.94)) and overloaded(beat(kv=0.95))
+    assert overloaded(beat(kv=0.95, watermark=0.99))  # a watermark above that does not make it roomier
 
 
 def test_what_every_worker_holds_is_left_to_the_shared_queue():

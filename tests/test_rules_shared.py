@@ -586,7 +586,8 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
     def choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight=None):
         req = next(r for r in pending if f"r{r.index}" == request_id)
         workers = [WorkerInfo(b.worker_id, b.role, "sim", "m", "h", 0, b.running, 0, b.kv_usage, 0.0, 0.0,
-                              max_running=b.max_running, cache_block_size=16) for b in match.workers]
+                              max_running=b.max_running, cache_block_size=16,
+                              kv_watermark=b.kv_watermark) for b in match.workers]
         chain = req.chain[:req.prompt_blocks]
         look = live_affinity.LookUp(req.prompt_tokens, 16, chain, tuple(workers))
         # The cache view's ZMSCORE replies: a score for each block the worker's engine holds.

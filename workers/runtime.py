@@ -110,6 +110,8 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
             pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
             max_running=cfg.worker.max_running,
+            # The decode claim rule's watermark: placement does not wait for a worker that would not claim.
+            kv_watermark=cfg.worker.kv_watermark if role == "decode" else 0.0,
         )
         self.handle: Callable[[Claimed], Awaitable[None]] | None = None
         self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts

@@ -30,6 +30,7 @@ class WorkerInfo:
     nixl_port: int = 0  # its engine's NIXL side channel (0 = no KV transfer)
     max_running: int = 0  # the most requests it holds at once (its placement counts as overloaded there)
     cache_block_size: int = 0  # its engine's prefix-cache block size; 0 = no cache view (placement skips it)
+    kv_watermark: float = 0.0  # KV usage from which it claims nothing (decode workers; 0 = no such rule)
 
 
 async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: float) -> None:
@@ -79,7 +80,7 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
                 address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
                 nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
-                cache_block_size=int(d.get("cache_block_size", 0)),
+                cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
             )
         )
     return out

@@ -157,7 +157,9 @@ class Simulation:
         self.workers = {w.name: w for w in self.prefill_workers + self.decode_workers}
         # The heartbeats as the gateway's fleet view holds them (scheduler.prefix.WorkerLoad).
         self._beats = {role: tuple(SimpleNamespace(worker_id=w.name, role=role, running=0, kv_usage=0.0,
-                                                   max_running=cfg.worker.max_running) for w in pool)
+                                                   max_running=cfg.worker.max_running,
+                                                   kv_watermark=cfg.worker.kv_watermark if role == "decode" else 0.0)
+                                   for w in pool)
                        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
         self._all_beats = self._beats["prefill"] + self._beats["decode"]
         self.cache_view = HolderIndex()  # which engines hold each block (the live cache view)
