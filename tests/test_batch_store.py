@@ -146,3 +146,23 @@ def test_files_are_listed_by_purpose_in_either_order_and_expired_ones_drop_out(r
         await st.r.aclose()
 
     run(go())
+
+
+def test_the_lists_expire_once_every_member_has(redis_url, key_prefix):
+    """A tenant that stops using the API leaves no list behind: each list's TTL is renewed with every
+    member and outlasts the longest-lived one (a file's TTL; a batch's window plus that)."""
+    async def go():
+        st = await _store(redis_url, key_prefix)
+        await st.put_file(b"{}\n", "in.jsonl", "batch", owner="tenant-a")
+        await st.create_batch({**_batch("batch_e", 1), "owner": "tenant-a"})
+        keys = st.keys
+        for zset in (keys.files, keys.files_of("tenant-a")):
+            assert 55 <= await st.r.ttl(zset) <= 60
+        for zset in (keys.batches, keys.batches_of("tenant-a")):
+            assert 86_400 < await st.r.ttl(zset) <= 86_460
+        forever = BatchStore(st.r, Keys(key_prefix + "-forever"), file_ttl_s=0)  # files kept until deleted
+        await forever.put_file(b"{}\n", "in.jsonl", "batch", owner="tenant-b")
+        assert await st.r.ttl(forever.keys.files_of("tenant-b")) == -1
+        await st.r.aclose()
+
+    run(go())

@@ -29,7 +29,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from skyline.batch import jsonl
-from skyline.batch.objects import batch_object, file_object, usage_object
+from skyline.batch.objects import COMPLETION_WINDOWS, batch_object, file_object, usage_object
 from skyline.core.keys import Keys
 
 # KEYS: batch hash. ARGV: allowed current statuses (space-separated), new status, field, value, ...
@@ -95,9 +95,10 @@ class BatchStore:
         # The lists after the file itself, outside its transaction: they have no hash tag (another
         # Cluster slot), and a listed id whose file is missing is dropped by the next listing anyway.
         pipe = self.r.pipeline(transaction=False)
-        pipe.zadd(self.keys.files, {fid: now})
-        if owner:
-            pipe.zadd(self.keys.files_of(owner), {fid: now})
+        for zset in (self.keys.files, *([self.keys.files_of(owner)] if owner else [])):
+            pipe.zadd(zset, {fid: now})
+            if self.ttl_s:
+                pipe.expire(zset, self.ttl_s)  # every member's file is gone by then
         await pipe.execute()
         return file_object(meta)
 
@@ -126,9 +127,11 @@ class BatchStore:
         """A new batch hash; an `owner` field (the creating key's digest) also lists it for that owner."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(fields["id"]), mapping={k: v for k, v in fields.items() if v is not None})
-        pipe.zadd(self.keys.batches, {fields["id"]: fields["created_at"]})
-        if fields.get("owner"):
-            pipe.zadd(self.keys.batches_of(fields["owner"]), {fields["id"]: fields["created_at"]})
+        for zset in (self.keys.batches, *([self.keys.batches_of(fields["owner"])] if fields.get("owner") else [])):
+            pipe.zadd(zset, {fields["id"]: fields["created_at"]})
+            if self.ttl_s:
+                # A batch ends within its window and is kept `ttl_s` after: the list outlives its members.
+                pipe.expire(zset, max(COMPLETION_WINDOWS.values()) + self.ttl_s)
         await pipe.execute()
 
     async def batch_fields(self, batch_id: str) -> dict[str, str] | None:

@@ -237,7 +237,7 @@ class Keys:
     def files(self) -> str:
         """ZSET `skyline:files` — file id -> created_at (Unix s), every file: `GET /v1/files` of an
         operator (or of a gateway without keys). Written with each file; members whose hash expired
-        are dropped by the listing."""
+        are dropped by the listing; the set expires `batch.file_ttl_s` after its newest member."""
         return f"{self.prefix}:files"
 
     def files_of(self, owner: str) -> str:
@@ -262,7 +262,8 @@ class Keys:
         """ZSET `skyline:batches` — batch id -> created_at (Unix s), for `GET /v1/batches`.
 
         Written by the gateway at creation; members whose hash expired are
-        dropped by the listing. Every batch: an operator's list.
+        dropped by the listing; the set expires a completion window + `batch.file_ttl_s`
+        after its newest member. Every batch: an operator's list.
         """
         return f"{self.prefix}:batches"
 
