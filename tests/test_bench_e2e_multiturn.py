@@ -13,27 +13,15 @@ from collections import defaultdict
 
 import pytest
 
-from skyline.cli import build_parser
-from skyline.tools.bench.run import Bench
+from tests.multiturn_bench import MAX_PROMPT, run_multiturn
 
 SYSTEMS = ["sim-affinity", "sim-no-affinity"]
 RATE = 2.0
-MAX_PROMPT = 1800
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench-multiturn")
-    args = build_parser().parse_args([
-        "bench", "run", "--workload", "multiturn", "--systems", ",".join(SYSTEMS), "--rates", str(RATE),
-        "--duration", "4", "--drain", "30", "--warmup", "1", "--think-s", "0.3", "--turns", "3-4",
-        "--mix", "0.75", "--chat-prompt", "40-200", "--rag-prompt", "1200-1600", "--chat-output", "8-24",
-        "--rag-output", "8-16", "--max-prompt-tokens", str(MAX_PROMPT),
-        # Explicit targets: no unloaded probe needed, and loose enough for a busy test machine.
-        "--slo-ttft-ms", "chat=3000,rag=8000", "--slo-tpot-ms", "1000", "--out", str(out), "--start-timeout", "60",
-    ])
-    results, _files = Bench(args).run()
-    return results, out
+    return run_multiturn(tmp_path_factory.mktemp("bench-multiturn"), SYSTEMS, RATE, 4, 0.75)
 
 
 def _by_system(results) -> dict[str, dict]:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from skyline.cli import build_parser
 from skyline.core.config import GatewayConfig
-from skyline.tools.bench.run import Bench
+from tests.multiturn_bench import run_multiturn
 
 SYSTEMS = ["sim-disagg-affinity", "sim-disagg-no-affinity"]
 RATE = 2.0
@@ -27,17 +26,7 @@ MIN_REMOTE = GatewayConfig().min_remote_prefill_tokens
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench-multiturn-disagg")
-    args = build_parser().parse_args([
-        "bench", "run", "--workload", "multiturn", "--systems", ",".join(SYSTEMS), "--rates", str(RATE),
-        "--duration", "3", "--drain", "30", "--warmup", "1", "--think-s", "0.3", "--turns", "3-4",
-        "--mix", "0.67", "--chat-prompt", "40-200", "--rag-prompt", "1200-1600", "--chat-output", "8-24",
-        "--rag-output", "8-16", "--max-prompt-tokens", "1800",
-        # Explicit targets: no unloaded probe needed, and loose enough for a busy test machine.
-        "--slo-ttft-ms", "chat=3000,rag=8000", "--slo-tpot-ms", "1000", "--out", str(out), "--start-timeout", "60",
-    ])
-    results, _files = Bench(args).run()
-    return results, out
+    return run_multiturn(tmp_path_factory.mktemp("bench-multiturn-disagg"), SYSTEMS, RATE, 3, 0.67)
 
 
 def _served(results, system: str) -> list[dict]:
