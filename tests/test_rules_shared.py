@@ -374,6 +374,22 @@ def _live_hook(vllm_scheduler, w):
     return Hook()
 
 
+def test_a_prompt_the_prefill_engine_has_finished_is_no_preemption_victim():
+    """The simulated prefill worker hands a finished prompt off at its step's end; the live one takes a
+    Redis round trip to, and aborting the prompt then frees no step budget: it is no victim from the
+    moment its engine finished it (nor does it keep a shield up)."""
+    rt = WorkerRuntime(_config("prefill"), _Engine(), "m")
+    now = live_runtime.now_ms()
+    rag = messages.GenerateRequest(request_id="rag", model="m", prompt_token_ids=[1] * 1500,
+                                   sampling=messages.SamplingSpec(max_tokens=4), tier="batch", arrival_ms=now,
+                                   deadline_ms=now + 600_000, ttft_ms=0, tpot_ms=0)
+    rt._hold(Claimed("stream", "0-1", "batch", rag), _Task())
+    # The chat is queued behind it (the worker full): computing, the RAG prompt is in its way.
+    assert rt.victims_for("interactive", now + 50, 30, claimed=False) == ["rag"]
+    rt.prompt_computed("rag")
+    assert rt.victims_for("interactive", now + 50, 30, claimed=False) == [] and list(rt.computing_ranks()) == []
+
+
 def test_the_decode_worker_decides_as_the_live_one(monkeypatch):
     log, sim = _decode_scenario(monkeypatch, steps=False)
     rooms = [v for k, v in log if k == "room"]

@@ -40,6 +40,7 @@ class PrefillHandler:
         started = now_ms()
         self.rt.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
         result = await self.rt.engine.prefill(engine_request(req))
+        self.rt.prompt_computed(req.request_id)  # no longer one to preempt: only the hand-off is left
         self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,

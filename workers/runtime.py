@@ -82,6 +82,9 @@ class WorkerRuntime:
         # yet, id -> tokens. They hold the engine's step budget like a prefill worker's prompts,
         # so the same budget and the same preemption apply to them.
         self.local_prefills: dict[str, int] = {}
+        # Prefill: prompts the engine has finished, being handed off. Aborting one frees no step
+        # budget (its blocks wait for the decode worker), so preemption no longer picks it.
+        self.prompts_computed: set[str] = set()
         self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
         self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
@@ -206,6 +209,10 @@ class WorkerRuntime:
         tightest = min((_request_of(c.message).tpot_ms for _t, c in self.in_flight.values()), default=None)
         return pace_allows(self.pace.seconds_per_token(time.monotonic()), tightest, headroom)
 
+    def prompt_computed(self, request_id: str) -> None:
+        """Prefill: the engine finished the request's prompt; only its hand-off is left."""
+        self.prompts_computed.add(request_id)
+
     def local_prefill_done(self, request_id: str) -> None:
         """Decode: a prompt computed here produced its first token; it no longer holds the step budget."""
         self.local_prefills.pop(request_id, None)
@@ -259,7 +266,8 @@ class WorkerRuntime:
         """(request id, request) of the prompts this worker's engine is computing and may preempt:
         a prefill worker's, or a decode worker's own (never a stream in progress)."""
         for rid, (task, claimed) in self.in_flight.items():
-            if task not in self.preempting and (self.role == "prefill" or rid in self.local_prefills):
+            if task not in self.preempting and (rid not in self.prompts_computed if self.role == "prefill"
+                                                else rid in self.local_prefills):
                 yield rid, _request_of(claimed.message)
 
     def _claimable_tiers(self) -> tuple[str, ...] | None:
@@ -430,6 +438,7 @@ class WorkerRuntime:
         if self.in_flight.get(rid, (None,))[0] is task:
             self.in_flight.pop(rid)
             self.local_prefills.pop(rid, None)
+            self.prompts_computed.discard(rid)
         self.prompt_tokens_in_flight -= tokens
 
     def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
