@@ -33,6 +33,9 @@ the simulator's gateway (skyline/tools/simulate/fleet.py, which reads its
 simulated engines) both decide on: each live worker's match and load, the
 requests this gateway placed and has not seen end. One copy, so that a
 simulated fleet places as the live one does (tests/test_rules_shared.py).
+A fleet of hundreds of workers costs a few list operations per worker per
+request (`StageLoads`: the heartbeats as placement reads them, which the
+simulator keeps from one heartbeat to the next).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ import hashlib
 import heapq
 from array import array
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import mul, sub
 from typing import NamedTuple, Protocol
 
 # A worker whose KV cache is this full would evict to make room: not one to wait for (nor one whose
@@ -98,8 +103,8 @@ class AffinityPolicy:
 
 
 class Holder(NamedTuple):
-    """One live worker of the stage the request is for, as the gateway sees it (a named tuple: the
-    gateway makes one per worker per request, so a fleet of hundreds makes many)."""
+    """One live worker of the stage the request is for, as the gateway sees it (`CacheMatch.holders`;
+    `choose` makes only the one it places for)."""
 
     worker: str
     matched_blocks: int  # leading blocks of the request's chain in its cache view
@@ -163,6 +168,26 @@ def overloaded(w: WorkerLoad) -> bool:
     return (w.max_running > 0 and w.running >= w.max_running) or w.kv_usage >= min(w.kv_watermark or KV_FULL, KV_FULL)
 
 
+class StageLoads:
+    """The live workers of one stage as placement reads their last heartbeats, in the fleet view's
+    order (a tie goes to the earlier worker): each one's id, its running requests and whether it may
+    take a request (`overloaded`). A caller that keeps it from one heartbeat read to the next (the
+    simulator's gateway) passes it to every `CacheMatch` of that time; a request then costs a few
+    list operations per worker instead of an object and a heartbeat read each (a fleet of 500)."""
+
+    __slots__ = ("ids", "positions", "ready", "ready_at", "running")
+
+    def __init__(self, workers: Sequence[WorkerLoad], stage: str):
+        of_stage = [w for w in workers if w.role == stage]
+        self.ids = tuple(w.worker_id for w in of_stage)
+        self.running = [w.running for w in of_stage]
+        self.ready = [not overloaded(w) for w in of_stage]
+        self.ready_at = [i for i, r in enumerate(self.ready) if r]  # where the workers not overloaded are
+        self.positions: dict[str, list[int]] = {}  # worker id -> where it is in `ids`
+        for i, w in enumerate(self.ids):
+            self.positions.setdefault(w, []).append(i)
+
+
 @dataclass(frozen=True)
 class CacheMatch:
     """What the live workers' engines hold of one prompt."""
@@ -171,14 +196,67 @@ class CacheMatch:
     block_size: int
     matched: Mapping[str, int]  # worker id -> leading blocks of the prompt its engine holds
     workers: tuple[WorkerLoad, ...]  # those reporting a cache of `block_size`
+    # stage -> its `StageLoads` of `workers`, when the caller keeps them between heartbeats; else
+    # built here, once per match and stage.
+    loads: Mapping[str, StageLoads] | None = field(default=None, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def stage(self, stage: str) -> StageLoads:
+        """The workers of `stage`, as `StageLoads`."""
+        s = self._memo.get(stage)
+        if s is None:
+            s = (self.loads or {}).get(stage) or StageLoads(self.workers, stage)
+            self._memo[stage] = s
+        return s
+
+    def _matched_of(self, stage: str) -> list[int]:
+        """Each worker of `stage`'s match, in `stage(stage)`'s order."""
+        key = ("matched", stage)
+        m = self._memo.get(key)
+        if m is None:
+            m = self._memo[key] = list(map(self.matched.get, self.stage(stage).ids, repeat(0)))
+        return m
+
+    def _loads_of(self, stage: str, placed: Mapping[str, int] | None) -> list[int]:
+        """Each worker of `stage`'s load: its heartbeat's running requests, or what this gateway has
+        placed for it and not seen end (`placed`), whichever is more."""
+        s = self.stage(stage)
+        if not placed:
+            return s.running
+        loads, positions = s.running.copy(), s.positions
+        for w, n in placed.items():  # (the workers with requests placed: fewer than all)
+            for i in positions.get(w, ()):
+                if n > loads[i]:
+                    loads[i] = n
+        return loads
 
     def holders(self, stage: str, placed: Mapping[str, int] | None = None) -> list[Holder]:
         """The workers of `stage`, their matches and loads: what they held at their last heartbeat,
         or what this gateway has placed for them and not seen end (`placed`), whichever is more."""
-        placed, matched = placed or {}, self.matched
-        return [Holder(w.worker_id, matched.get(w.worker_id, 0), overloaded(w),
-                       max(w.running, placed.get(w.worker_id, 0)) if placed else w.running)
-                for w in self.workers if w.role == stage]
+        s = self.stage(stage)
+        return [Holder(w, m, not ready, load) for w, m, ready, load
+                in zip(s.ids, self._matched_of(stage), s.ready, self._loads_of(stage, placed))]
+
+    def place(self, policy: AffinityPolicy, stage: str, placed: Mapping[str, int] | None = None) -> Holder | None:
+        """`place(policy, self.holders(stage, placed))`, without a `Holder` per worker: the costs of the
+        workers not overloaded, and the two least (ties to the earlier worker, as `place`'s)."""
+        if not policy.enabled:
+            return None
+        s, matched, loads = self.stage(stage), self._matched_of(stage), self._loads_of(stage, placed)
+        # The cost of each worker not overloaded (`cost`'s arithmetic, so the same floats), in order.
+        costs = list(map(sub, map(mul, repeat(policy.load_blocks), loads), matched))
+        if len(s.ready_at) < len(costs):
+            costs = list(compress(costs, s.ready))
+        if not costs:
+            return None
+        best = min(costs)
+        k = costs.index(best)  # the first of the cheapest: a tie goes to the earlier worker
+        if len(costs) > 1:
+            costs.pop(k)
+            if min(costs) - best < max(1, policy.min_blocks):
+                return None
+        i = s.ready_at[k]
+        return Holder(s.ids[i], matched[i], False, loads[i])
 
     def uncached_tokens(self, worker: str | None) -> int:
         """Prompt tokens `worker` would compute (None: a worker not known in advance, so all of them).
@@ -191,9 +269,7 @@ class CacheMatch:
     def best_uncached(self, stage: str) -> int:
         """Prompt tokens left to compute on the best-placed worker of `stage` that is not full (the
         one holding the most leading blocks: fewer tokens left is more blocks held)."""
-        matched = self.matched
-        best = max((matched.get(w.worker_id, 0) for w in self.workers if w.role == stage and not overloaded(w)),
-                   default=None)
+        best = max(compress(self._matched_of(stage), self.stage(stage).ready), default=None)
         if best is None:
             return self.prompt_tokens
         return self.prompt_tokens - max(0, min(best * self.block_size, self.prompt_tokens - 1))
@@ -240,10 +316,9 @@ def choose(policy: AffinityPolicy, match: CacheMatch | None, stage: str, request
     counted in `in_flight` (the caller says `done` when the request ends or is refused)."""
     if match is None or not policy.enabled:
         return None
-    holders = match.holders(stage, in_flight.count if in_flight else None)
-    if len(holders) < 2:
+    if len(match.stage(stage).ids) < 2:
         return None
-    best = place(policy, holders)
+    best = match.place(policy, stage, in_flight.count if in_flight else None)
     if best is None:
         return None
     if in_flight is not None:

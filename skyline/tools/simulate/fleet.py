@@ -47,7 +47,7 @@ from skyline.scheduler.admission import (
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
-from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, choose
+from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, StageLoads, choose
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import resolve_slo
 from skyline.tools.simulate.decode_worker import DecodeWorker
@@ -162,6 +162,7 @@ class Simulation:
                                    for w in pool)
                        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
         self._all_beats = self._beats["prefill"] + self._beats["decode"]
+        self._loads: dict[str, StageLoads] = {}  # the beats as placement reads them, rebuilt at each refresh
         self.cache_view = HolderIndex()  # which engines hold each block (the live cache view)
         if prefix_cache:
             for w in self.prefill_workers + self.decode_workers:
@@ -254,7 +255,7 @@ class Simulation:
         """What each worker's engine holds of the request's prompt, and the workers' heartbeats: the
         live gateway's `CacheMatch` (there read from the cache view in Redis)."""
         return CacheMatch(req.prompt_tokens, self.block_size, self.cache_view.matched(req.chain[:req.prompt_blocks]),
-                          self._all_beats)
+                          self._all_beats, self._loads)
 
     def _push_placed(self, q, ready, req: SimRequest, prefill_end) -> None:
         """Into the affinity lane of the worker the request was placed for: that worker claims it if it is
@@ -333,6 +334,7 @@ class Simulation:
             for w, beat in zip(self.decode_workers, self._beats["decode"]):
                 beat.running = w.B + w.arriving + len(w.local) + len(w.joining)
                 beat.kv_usage = (w.C + w.reserved) / w.kv_capacity
+            self._loads = {role: StageLoads(beats, role) for role, beats in self._beats.items()}
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)

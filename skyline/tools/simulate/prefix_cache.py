@@ -44,15 +44,15 @@ class HolderIndex:
         out: dict[str, int] = {}
         n = 1
         for h in chain[1:]:
-            nxt = live & of.get(h, _NONE)
-            if len(nxt) != len(live):
-                for w in live - nxt:
-                    out[w] = n
+            held = of.get(h, _NONE)
+            if not live <= held:  # (else every worker still matching holds it too: a shared system prompt)
+                nxt = live & held
+                out.update(dict.fromkeys(live - nxt, n))
                 if not nxt:
                     return out
-            live, n = nxt, n + 1
-        for w in live:
-            out[w] = n
+                live = nxt
+            n += 1
+        out.update(dict.fromkeys(live, n))
         return out
 
 
