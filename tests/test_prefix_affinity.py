@@ -139,7 +139,10 @@ def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis
     with fleet.running({"decode-1": ("decode",), "decode-2": ("decode",)}, timeout_s=60):
         client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
         system = "You are a careful assistant. Answer briefly and cite the document. " * 4
-        convs = {c: system + f"Conversation {c}: " for c in range(6)}
+        # Each conversation's own opening is 12+ blocks: more than a load of six requests can outweigh
+        # (placement weighs `affinity_load_blocks` per request a worker holds, by a heartbeat that may be
+        # a second old and still count all six first turns), so the holder is the cheapest worker.
+        convs = {c: system + f"Conversation {c}: " + f"notes on topic {c}. " * 12 for c in range(6)}
         served: dict[int, list[str]] = {c: [] for c in convs}
         cached: list[tuple[int, int]] = []
         with concurrent.futures.ThreadPoolExecutor(len(convs)) as pool:  # first turns at once: nothing cached yet
