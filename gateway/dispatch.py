@@ -173,8 +173,8 @@ class Dispatcher:
             return prep
         stage = stage_of(prep.route)
         placed = placement(self.affinity_policy, match, stage, prep.request, self.placed)
-        holders = match.holders(stage)
-        worker = placed.worker if placed else holders[0].worker if len(holders) == 1 else None
+        ids = match.stage(stage).ids
+        worker = placed.worker if placed else ids[0] if len(ids) == 1 else None
         return replace(prep, placement=placed, uncached_tokens=match.uncached_tokens(worker))
 
     async def _enqueue(self, prep: Prepared, sub: Subscription, reserved: Reservation | None) -> Session:
