@@ -41,7 +41,7 @@ simulator keeps from one heartbeat to the next).
 from __future__ import annotations
 
 import hashlib
-import heapq
+import math
 from array import array
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,14 +129,23 @@ def place(policy: AffinityPolicy, holders: Sequence[Holder]) -> Holder | None:
     queue balances the load as well as a choice would."""
     if not policy.enabled:
         return None
-    # The two cheapest, ties in the holders' order (nsmallest is a stable sort's first two).
-    ready = heapq.nsmallest(2, (h for h in holders if not h.overloaded), key=lambda h: cost(policy, h))
-    if not ready:
+    ready = [h for h in holders if not h.overloaded]
+    k = cheapest(policy, [cost(policy, h) for h in ready])
+    return None if k is None else ready[k]
+
+
+def cheapest(policy: AffinityPolicy, costs: Sequence[float]) -> int | None:
+    """Where in `costs` (the workers not overloaded, in order) the one to wait for is: the first of
+    the cheapest, if it is cheaper than every other by at least `min_blocks`; else None."""
+    if not costs:
         return None
-    best = ready[0]
-    if len(ready) > 1 and cost(policy, ready[1]) - cost(policy, best) < max(1, policy.min_blocks):
-        return None
-    return best
+    best = min(costs)
+    k = costs.index(best)  # the first of the cheapest: a tie goes to the earlier worker
+    if len(costs) > 1:
+        second = min(min(costs[:k], default=math.inf), min(costs[k + 1:], default=math.inf))
+        if second - best < max(1, policy.min_blocks):
+            return None
+    return k
 
 
 def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int) -> int:
@@ -247,14 +256,9 @@ class CacheMatch:
         costs = list(map(sub, map(mul, repeat(policy.load_blocks), loads), matched))
         if len(s.ready_at) < len(costs):
             costs = list(compress(costs, s.ready))
-        if not costs:
+        k = cheapest(policy, costs)
+        if k is None:
             return None
-        best = min(costs)
-        k = costs.index(best)  # the first of the cheapest: a tie goes to the earlier worker
-        if len(costs) > 1:
-            costs.pop(k)
-            if min(costs) - best < max(1, policy.min_blocks):
-                return None
         i = s.ready_at[k]
         return Holder(s.ids[i], matched[i], False, loads[i])
 

@@ -14,6 +14,7 @@ import redis
 from skyline.core.keys import Keys
 from skyline.scheduler.prefix import (
     AffinityPolicy,
+    CacheMatch,
     Holder,
     PlacedInFlight,
     block_chain,
@@ -71,6 +72,27 @@ def test_a_worker_is_full_where_its_own_claim_rule_stops():
     # No watermark (a prefill worker): full only where its cache would evict.
     assert not overloaded(beat(kv=0.94)) and overloaded(beat(kv=0.95))
     assert overloaded(beat(kv=0.95, watermark=0.99))  # a watermark above that does not make it roomier
+
+
+def test_a_match_places_as_place_does_over_its_holders():
+    """`CacheMatch.place` (what the gateway and the simulator call, without a Holder per worker) is
+    `place` over `CacheMatch.holders`: random fleets, loads, overloads and policies."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(7)
+    for _ in range(2_000):
+        n = rng.randint(0, 6)
+        workers = tuple(SimpleNamespace(worker_id=f"w{rng.randint(0, 4)}", role=rng.choice(["decode", "prefill"]),
+                                        running=rng.randint(0, 4), max_running=rng.choice([0, 3, 8]),
+                                        kv_usage=rng.random(), kv_watermark=rng.choice([0.0, 0.9]))
+                        for _ in range(n))
+        matched = {f"w{i}": rng.randint(0, 6) for i in range(5) if rng.random() < 0.6}
+        placed = {f"w{i}": rng.randint(0, 5) for i in range(5) if rng.random() < 0.3} or None
+        policy = AffinityPolicy(min_blocks=rng.randint(0, 3), load_blocks=rng.choice([0.0, 0.5, 1.0, 2.0]))
+        match = CacheMatch(100, 16, matched, workers)
+        for stage in ("decode", "prefill"):
+            assert match.place(policy, stage, placed) == place(policy, match.holders(stage, placed))
 
 
 def test_what_every_worker_holds_is_left_to_the_shared_queue():
