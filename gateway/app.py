@@ -33,6 +33,7 @@ from starlette.requests import Request
 from skyline.core import redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
+from skyline.core.stopping import bounded_step
 from skyline.core.streams import ensure_groups, now_ms
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
@@ -96,12 +97,12 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             # Every step of the way out is bounded, as a worker's is: a gateway that hangs here is
             # killed by whoever stops it, without a word on where (seen once in CI: `skyline up`
             # waited 65 s for it in "Waiting for application shutdown").
-            await _bounded("the fleet view", fleet.close())
-            await _bounded("the timeline", observer.close())
-            await _bounded("the token relay", relay.close())
+            await bounded_step("the fleet view", fleet.close(), log)
+            await bounded_step("the timeline", observer.close(), log)
+            await bounded_step("the token relay", relay.close(), log)
             if dispatcher.background:  # let pending cancels reach Redis
                 await asyncio.wait(dispatcher.background, timeout=2.0)
-            await _bounded("the Redis client", r.aclose())
+            await bounded_step("the Redis client", r.aclose(), log)
 
     app = FastAPI(title="Skyline gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.args = SimpleNamespace(log_error_stack=False)  # read by vLLM's validation error handler
@@ -171,23 +172,6 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet), tenants)
 
     return app
-
-
-STOP_STEP_S = 5.0
-
-
-async def _bounded(what: str, step: Awaitable[Any]) -> None:
-    """One step of the gateway's way out, given STOP_STEP_S; past that it is abandoned with a
-    warning that names it and the stacks of the tasks still running (where it hung)."""
-    try:
-        async with asyncio.timeout(STOP_STEP_S):
-            await step
-    except TimeoutError:
-        stacks = "\n".join(f"{t.get_name()}: {t.get_coro()!r}\n" + "".join(
-            f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n" for f in t.get_stack(limit=8))
-            for t in asyncio.all_tasks() if t is not asyncio.current_task())
-        log.warning("stopping: %s did not close within %.0f s; going on without it. Tasks:\n%s", what,
-                    STOP_STEP_S, stacks)
 
 
 def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:

@@ -38,6 +38,7 @@ from skyline.core import cache_view, messages, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo, deregister, heartbeat
 from skyline.core.keys import Keys
+from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
@@ -146,14 +147,14 @@ class WorkerRuntime:
                 t.cancel()
             # Each step of the way out is bounded: a stop that hangs on one of them would hold the
             # process until its supervisor's SIGKILL, with nothing in the log to say where it hung.
-            await _bounded("the side tasks", asyncio.gather(*side, return_exceptions=True))
+            await bounded_step("the side tasks", asyncio.gather(*side, return_exceptions=True), log)
             try:
-                await _bounded("deregistering", deregister(self.redis, self.keys, self.worker_id))
+                await bounded_step("deregistering", deregister(self.redis, self.keys, self.worker_id), log)
             except (RedisConnectionError, RedisTimeoutError):
                 pass
-            await _bounded("the engine's shutdown", self.engine.shutdown())
-            await _bounded("the timeline's last writes", self.timeline.flush())
-            await _bounded("closing Redis", self.redis.aclose())
+            await bounded_step("the engine's shutdown", self.engine.shutdown(), log)
+            await bounded_step("the timeline's last writes", self.timeline.flush(), log)
+            await bounded_step("closing Redis", self.redis.aclose(), log)
             log.info("worker %s stopped", self.worker_id)
 
     def _stop_requested(self, sig: signal.Signals) -> None:
@@ -603,14 +604,7 @@ def _request_of(msg: messages.Message) -> messages.GenerateRequest:
 
 CACHE_VIEW_PERIOD_S = 0.05  # how often the engine's cache events are mirrored into Redis (one pipeline)
 EXIT_STEPS = 5  # the awaited steps after the drain, each bounded by EXIT_STEP_S
-EXIT_STEP_S = 5.0
-
-
-async def _bounded(what: str, step: Awaitable) -> None:
-    try:
-        await asyncio.wait_for(step, EXIT_STEP_S)
-    except asyncio.TimeoutError:
-        log.warning("stopping: %s took over %.0f s; going on without it", what, EXIT_STEP_S)
+EXIT_STEP_S = STOP_STEP_S
 
 
 class _StopWatchdog(threading.Thread):
