@@ -381,10 +381,13 @@ def test_a_client_that_leaves_in_any_phase_leaves_no_kv_blocks_on_either_engine(
 
 
 def _second_decode_worker(fleet) -> None:
-    """decode-1 beside decode-0 (on the prefill engine's core), for the tests that need two."""
+    """decode-1 beside decode-0, on its core, for the tests that need two. Not on the prefill
+    engine's core: a decode engine there hung in its first KV pull from that engine, both engines'
+    executors stalled until the prefill engine's lease of the blocks ran out (87 s; seen 3 of 3 times
+    on 2026-12-03, the decode engine on the other core pulled in 0.4 s)."""
     if "decode-1" not in fleet.procs:
         cores = sorted(os.sched_getaffinity(0))
-        fleet.start_worker("decode-1", "decode", "--cpu-bind", str(cores[0]))
+        fleet.start_worker("decode-1", "decode", "--cpu-bind", str(cores[-1]))
     fleet.wait_ready({"decode": 2}, timeout_s=600)
 
 
@@ -450,7 +453,7 @@ def test_the_next_turn_is_served_where_the_first_was_cached_on_real_engines(flee
 
 
 def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client, redis_url):
-    """Last in this module: it kills a decode worker. A second decode engine joins;
+    """It kills a decode worker (only the stall test follows it). A second decode engine joins;
     the one streaming a long greedy answer is killed -9; the other takes the
     request over (prefills prompt + tokens so far, generates the rest) and the
     client's stream continues: the whole text equals an undisturbed run. The killed
@@ -492,3 +495,61 @@ def test_decode_worker_killed_mid_stream_migrates_on_real_engines(fleet, client,
     assert text == want
     assert len(engine_procs) >= 1  # vLLM's engine core (and, on CPU, its executor)
     assert not wait_gone(engine_procs, timeout_s=15), "engine processes outlived their worker"
+
+
+def test_a_decode_worker_whose_engine_stops_stepping_ends_itself_and_its_stream_migrates(fleet, client, redis_url,
+                                                                                            tmp_path):
+    """Last in this module. The engine of the decode worker streaming a greedy answer stops (its
+    engine core and executor are sent SIGSTOP, as when the executor hung in a NIXL pull): the worker
+    still heartbeats, but holds a request its engine no longer steps. Past `engine_stall_s` it says so,
+    leaves the registry, kills its engine and exits with status 3; a live decode worker takes the
+    stream over and the client's text equals an undisturbed run."""
+    import signal
+
+    import redis
+
+    from skyline.core.keys import Keys
+    from skyline.workers.engine_watch import EXIT_ENGINE_FAILED
+
+    prompt = "Write a long story about a lighthouse keeper and a storm."
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(**kw).choices[0].text
+    (tmp_path / "stall.toml").write_text("[worker]\nengine_stall_s = 8\n")
+    cores = sorted(os.sched_getaffinity(0))
+    others = [n for n in fleet.procs if n.startswith("decode-")]
+    fleet.start_worker("decode-stall", "decode", "--cpu-bind", str(cores[-1]), "--config", str(tmp_path / "stall.toml"))
+    fleet.wait_ready({"decode": len(others) + 1}, timeout_s=600)
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(fleet.key_prefix)
+    # The other decode workers sit out the claim: the stream goes to the worker whose engine will stop.
+    for name in others:
+        os.kill(fleet.procs[name].pid, signal.SIGSTOP)
+    paused, text, ext, engine_procs = list(others), "", {}, []
+    try:
+        for i, chunk in enumerate(client.completions.create(**kw, stream=True)):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            ext = (chunk.model_extra or {}).get("skyline") or ext
+            if i == 4 and not engine_procs:
+                assert r.hget(keys.run(chunk.id), "owner") == b"decode-stall"
+                for name in paused:
+                    os.kill(fleet.procs[name].pid, signal.SIGCONT)
+                paused = []
+                engine_procs = descendants(fleet.procs["decode-stall"].pid)
+                for pid in engine_procs:
+                    os.kill(pid, signal.SIGSTOP)
+                t_stop = time.monotonic()
+    finally:
+        for name in paused:
+            os.kill(fleet.procs[name].pid, signal.SIGCONT)
+    took = time.monotonic() - t_stop
+    worker = fleet.procs.pop("decode-stall")
+    assert worker.wait(timeout=30) == EXIT_ENGINE_FAILED
+    log = (fleet.log_dir / "decode-stall.log").read_text(errors="replace")
+    assert "gives up: its engine has held 1 request(s)" in log, log[-3000:]
+    assert ext["decode_attempts"] >= 2 and ext["decode_worker"] in others, ext
+    print(f"migrated after token {ext['resumed_at_token']}; the rest of the stream took {took:.1f} s")
+    assert text == want
+    assert len(engine_procs) >= 1
+    assert not wait_gone(engine_procs, timeout_s=15), "the stopped engine's processes outlived their worker"

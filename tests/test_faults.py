@@ -141,6 +141,31 @@ def test_decode_worker_killed_mid_stream_migrates_without_gap_or_duplicate(make_
     assert elapsed < 60 * 0.04 + RECLAIM_AFTER_S + 5.0
 
 
+def test_a_worker_restarted_under_the_same_id_resumes_what_its_predecessor_held(make_fleet, r, key_prefix):
+    """The only decode worker is killed mid-stream and started again under the same id (a container
+    restarted in its pod keeps its host name and pid, hence its default id). Nobody else would take
+    the entry: the id heartbeats again. The new process takes what is pending under its own id at
+    start, and the stream resumes where it was."""
+    workers = {"prefill-1": ("prefill",), "decode-a": ("decode",)}
+    with make_fleet(workers) as fleet:
+        client = fleet.client(timeout_s=60)
+        want = reference(client, 60)
+        killed = []
+
+        def restart_holder(i: int) -> None:
+            if i == 10 and not killed:
+                killed.append(holder(r, Keys(key_prefix), "decode"))
+                kill9(fleet, killed[0])
+                fleet.start_worker("decode-a", "decode")
+
+        text, ext, _gap = stream_text(client, 60, on_chunk=restart_holder)
+
+    assert killed == ["decode-a"], "the stream ended before the kill"
+    assert text == want  # every token once, in order
+    assert ext["decode_worker"] == "decode-a" and ext["decode_attempts"] == 2
+    assert ext["resumed_at_token"] >= 10
+
+
 def test_seeded_request_is_not_migrated_but_fails_explicitly(make_fleet, r, key_prefix):
     workers = {"prefill-1": ("prefill",), "decode-a": ("decode",), "decode-b": ("decode",)}
     with make_fleet(workers) as fleet:

@@ -139,6 +139,22 @@ def test_up_starts_n_plus_m_sim_workers_and_ctrl_c_stops_everything(tmp_path):
                     assert resp.status == status
             except urllib.error.HTTPError as exc:
                 assert exc.code == status
+        # A worker that dies while the fleet runs is started again (live workers took its requests over).
+        pid = next(m.group(1) for line in before if (m := re.match(r"\s*decode-1 \| starting, pid (\d+)", line)))
+        os.kill(int(pid), signal.SIGKILL)
+        k = term.wait_for("skyline up: restarting decode-1 (exit -9; 1 of at most 5", timeout_s=10)
+        deadline = time.monotonic() + 60
+        while not (new := [m.group(1) for line in list(term.lines)[k:]
+                           if (m := re.match(r"\s*decode-1 \| starting, pid (\d+)", line))]):
+            assert time.monotonic() < deadline, "".join(term.lines[k:])
+            time.sleep(0.1)
+        while not re.search(rf"worker decode-\S+-{new[0]} ready", (logs / "decode-1.log").read_text()):
+            assert time.monotonic() < deadline, (logs / "decode-1.log").read_text()[-2000:]
+            time.sleep(0.2)
+        req = urllib.request.Request(f"http://127.0.0.1:{gw_port}/v1/completions", body,
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 5
     finally:
         rc = term.ctrl_c()
     assert rc == 0

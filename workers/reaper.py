@@ -67,18 +67,49 @@ async def reclaim(queues: TierQueues, after_s: float, limit: int) -> list[Reclai
             continue
         stale = stale[: limit - len(out)]
         owners = {_s(p["message_id"]): (_s(p["consumer"]), int(p["times_delivered"])) for p in stale}
-        entries = await r.xclaim(key, group, me, min_idle_time=idle_ms, message_ids=list(owners))
-        for entry_id, fields in entries:
-            eid = _s(entry_id)
-            owner, delivered = owners.get(eid, ("?", 0))
-            if not fields:  # trimmed from the stream while pending: nothing left to run
-                await r.xack(key, group, eid)
-                log.warning("dropped pending entry %s of %s: no longer in %s", eid, owner, key)
-                continue
-            claimed = Claimed(key, eid, tier, messages.decode(fields[b"msg"]), int(fields.get(b"prefill_tokens", 0)))
-            out.append(Reclaimed(claimed, delivered + 1, owner))
+        out += await _take(queues, key, tier, owners, min_idle_ms=idle_ms)
         if len(out) >= limit:
             break
+    return out
+
+
+async def reclaim_previous_life(queues: TierQueues, limit: int) -> list[Reclaimed]:
+    """At start: claim (afresh) up to `limit` entries still pending under this worker's own id, left by
+    an earlier process with the same id (restarted in place: a container restarted in its pod keeps
+    its host name and, often, its pid; an explicit `--worker-id`). No other worker takes them: they
+    see the id heartbeat again; and this process holds nothing yet, so every one of them is a
+    predecessor's. Their delivery count goes on, so a request that killed the predecessor is
+    dead-lettered in time as any other poison request."""
+    r, group, me = queues.r, queues.group, queues.consumer
+    out: list[Reclaimed] = []
+    for tier, key in queues.lanes:
+        if len(out) >= limit:
+            break
+        try:
+            pending = await r.xpending_range(key, group, min="-", max="+", count=limit - len(out), consumername=me)
+        except ResponseError:
+            continue  # no group yet (a lane of a departed worker, deleted): nothing of ours there
+        if pending:
+            out += await _take(queues, key, tier, {_s(p["message_id"]): (me, int(p["times_delivered"]))
+                                                   for p in pending}, min_idle_ms=0)
+    return out
+
+
+async def _take(queues: TierQueues, key: str, tier: str, owners: dict[str, tuple[str, int]],
+                min_idle_ms: int) -> list[Reclaimed]:
+    """XCLAIM the entries of `owners` (entry id -> (owner, deliveries so far)) for this consumer."""
+    r, group = queues.r, queues.group
+    out = []
+    for entry_id, fields in await r.xclaim(key, group, queues.consumer, min_idle_time=min_idle_ms,
+                                           message_ids=list(owners)):
+        eid = _s(entry_id)
+        owner, delivered = owners.get(eid, ("?", 0))
+        if not fields:  # trimmed from the stream while pending: nothing left to run
+            await r.xack(key, group, eid)
+            log.warning("dropped pending entry %s of %s: no longer in %s", eid, owner, key)
+            continue
+        claimed = Claimed(key, eid, tier, messages.decode(fields[b"msg"]), int(fields.get(b"prefill_tokens", 0)))
+        out.append(Reclaimed(claimed, delivered + 1, owner))
     return out
 
 

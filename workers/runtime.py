@@ -46,9 +46,10 @@ from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
+from skyline.workers.engine_watch import watch_engine
 from skyline.workers.engines.base import Engine
 from skyline.workers.outage import ride_out
-from skyline.workers.reaper import forget_departed, reclaim
+from skyline.workers.reaper import forget_departed, reclaim, reclaim_previous_life
 from skyline.workers.runs import Runs
 
 log = logging.getLogger("skyline.worker")
@@ -104,6 +105,8 @@ class WorkerRuntime:
         self.preempting: set[asyncio.Task] = set()
         self.handing_back: set[asyncio.Task] = set()
         self.cancel_requested: set[asyncio.Task] = set()  # cancelled by this worker, not yet unwound
+        self.left_fleet = False  # deregistered for good (its engine failed): no heartbeat may re-register it
+        self.reaped_once = False  # the first look for abandoned entries also takes this id's own (reaper.py)
         self.tombstones: dict[str, asyncio.Task] = {}  # request id -> its "client left while queued?" check
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
                          "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
@@ -136,7 +139,8 @@ class WorkerRuntime:
             hook()
         await self._beat()
         log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
-        side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]
+        side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop()),
+                asyncio.create_task(watch_engine(self))]
         if self.info.cache_block_size:
             side.append(asyncio.create_task(self._cache_view_loop()))
         try:
@@ -338,7 +342,11 @@ class WorkerRuntime:
         """Take over entries of workers that died or stalled, as far as there is room."""
         wc = self.cfg.worker
         limit = wc.max_running - len(self.in_flight)
-        for got in await reclaim(self.queues, wc.reclaim_after_s, limit):
+        got_back = []
+        if not self.reaped_once:  # first: what an earlier process under this worker's id left pending
+            self.reaped_once = True
+            got_back = await reclaim_previous_life(self.queues, limit)
+        for got in got_back + await reclaim(self.queues, wc.reclaim_after_s, limit - len(got_back)):
             rid = _request_of(got.claimed.message).request_id
             self.counters["reclaimed"] += 1
             self.timeline.emit(rid, "reclaimed", stage=self.stage, from_worker=got.previous_owner,
@@ -551,8 +559,10 @@ class WorkerRuntime:
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self.left_fleet:
             await asyncio.sleep(self.cfg.worker.heartbeat_s)
+            if self.left_fleet:
+                return
             try:
                 await self._beat()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:

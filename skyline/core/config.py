@@ -158,6 +158,10 @@ class WorkerConfig:
     reclaim_after_s: float = 5.0
     reclaim_interval_s: float = 1.0  # how often each worker looks for abandoned entries
     max_deliveries: int = 3  # a request delivered this often without finishing is dead-lettered (poison)
+    # A worker whose engine holds requests and completes no step for this long (stuck; seen: an executor
+    # hung in a NIXL pull) ends itself, so live workers take its requests over (workers/engine_watch.py);
+    # well under gateway.first_frame_timeout_s, well over any one step. 0 = never.
+    engine_stall_s: float = 60.0
     drain_timeout_s: float = 60.0  # SIGTERM: finish held requests for this long, then hand them back
     # The fleet's prefix-cache view (skyline/core/cache_view.py): the blocks this worker's engine holds,
     # kept in Redis for the gateway's placement; at most this many (the oldest go first; 0 = no view).

@@ -113,6 +113,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("worker", "reclaim_interval_s"): _POSITIVE,
     ("worker", "max_deliveries"): _AT_LEAST_1,
     ("worker", "drain_timeout_s"): _AT_LEAST_0,
+    ("worker", "engine_stall_s"): _AT_LEAST_0,
     ("gateway", "port"): _PORT,
     ("gateway", "min_remote_prefill_tokens"): _AT_LEAST_0,
     ("gateway", "max_prefill_backlog_tokens"): _AT_LEAST_0,
@@ -218,6 +219,10 @@ def _cross(cfg: Any) -> list[str]:
     rule(g.worker_liveness_s > w.heartbeat_s,
          f"[gateway] worker_liveness_s = {g.worker_liveness_s} must exceed [worker] heartbeat_s = {w.heartbeat_s} "
          "(else the gateway sees live workers as gone between beats)")
+    rule(w.engine_stall_s == 0 or w.engine_stall_s + w.reclaim_after_s < g.first_frame_timeout_s,
+         f"[worker] engine_stall_s = {w.engine_stall_s} + reclaim_after_s = {w.reclaim_after_s} must be under "
+         f"[gateway] first_frame_timeout_s = {g.first_frame_timeout_s} (else the clients of a stuck engine get "
+         "a 503 before a live worker takes their requests over), or 0")
     rule(g.first_frame_timeout_s <= g.request_timeout_s,
          f"[gateway] first_frame_timeout_s = {g.first_frame_timeout_s} must be at most request_timeout_s = "
          f"{g.request_timeout_s}")

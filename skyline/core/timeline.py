@@ -56,6 +56,7 @@ EVENTS = (
     "requeued",             # worker: stage, tier, reason
     "migrated",             # decode worker that took over a stream: from_worker, tokens_so_far
     "reclaimed",            # worker that took over an abandoned entry: stage, from_worker, idle_ms
+    "worker_gave_up",       # worker whose engine died or stopped stepping, leaving the fleet: reason
     "cancelled",            # gateway (reason) or worker (phase: queued/prefill/decode)
     "kv_released",          # decode worker: source_engine (a handed-off prompt's blocks freed unpulled)
     "failed",               # gateway or worker: reason, status, dead_letter

@@ -45,6 +45,12 @@ def _cores() -> list[int]:
 # Worker i of `skyline up` (prefill workers first) serves /metrics on this port + i;
 # deploy/prometheus.yml scrapes exactly these ports.
 METRICS_PORT_BASE = 9100
+# A worker that exits while the fleet runs (killed, out of memory, its engine failed:
+# workers/engine_watch.py) is started again, as compose's `restart: unless-stopped` or a Kubernetes
+# Deployment would; live workers of its pool have taken its requests over meanwhile. More than
+# this many exits of one worker within the window is a crash loop: the fleet stops and says so.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
 
 
 def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
@@ -93,6 +99,7 @@ class Child:
     log: Path
     relay: threading.Thread | None = None
     ready: bool = False
+    argv: tuple[str, ...] = ()  # what it was started with (a worker is restarted with the same)
 
 
 def _relay(child: Child, log: BinaryIO, console: Console, fleet_up: threading.Event, verbose: bool,
@@ -118,7 +125,7 @@ def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children:
         start_new_session=True,  # Ctrl-C goes to us; we stop children in order
         preexec_fn=parent_death_signal(signal.SIGTERM),  # and if we die, SIGKILL included, they stop too
     )
-    child = Child(name, role, proc, Path(log.name))
+    child = Child(name, role, proc, Path(log.name), argv=tuple(argv))
     children.append(child)
     console.line(f"{name:>10} | starting, pid {proc.pid}")
     child.relay = threading.Thread(target=_relay, args=(child, log, console, fleet_up, verbose, seen),
@@ -308,9 +315,23 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         console.done()
         _banner(cfg, url, time.monotonic() - t0, plan, logs, console)
         fleet_up.set()
-        while all(c.proc.poll() is None for c in children):
+        exits: dict[str, list[float]] = {}
+        while True:
             time.sleep(0.5)
-        dead = [c for c in children if c.proc.poll() is not None]
+            dead = [c for c in children if c.proc.poll() is not None]
+            now = time.monotonic()
+            for child in dead:
+                exits[child.name] = [t for t in exits.get(child.name, []) if now - t < RESTART_WINDOW_S] + [now]
+            restart = [c for c in dead if c.role in ("prefill", "decode") and len(exits[c.name]) <= MAX_RESTARTS]
+            if len(restart) < len(dead):
+                break
+            for child in restart:
+                _show_death(child, console, verbose)
+                children.remove(child)
+                console.line(f"skyline up: restarting {child.name} (exit {child.proc.returncode}; "
+                             f"{len(exits[child.name])} of at most {MAX_RESTARTS} in {RESTART_WINDOW_S / 60:.0f} min); "
+                             f"live {child.role} workers take over what it held")
+                spawn(child.name, child.role, list(child.argv))
         for child in dead:
             _show_death(child, console, verbose)
         console.line(f"skyline up: {', '.join(f'{c.name} (exit {c.proc.returncode})' for c in dead)} stopped; "

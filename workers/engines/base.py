@@ -137,6 +137,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def progress(self) -> tuple[int, int] | None:
+        """(requests the engine holds, steps it has completed so far), for the worker's stall watch
+        (scheduler/stall.py); None: this engine cannot tell, and no stall is ever declared."""
+        return None
+
+    def failure(self) -> str | None:
+        """Why the engine can compute nothing more (its core process died), or None while it can."""
+        return None
+
+    def kill(self) -> None:
+        """End the engine's processes at once: it is stuck, and a clean shutdown would hang with it."""
+
     def cache_delta(self) -> CacheDelta | None:
         """Blocks stored in and evicted from the prefix cache since the previous call (None: nothing
         new, or no cache events). Called from the worker's event loop, often: must not block."""

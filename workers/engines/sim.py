@@ -136,6 +136,7 @@ class SimEngine(Engine):
         self._by_id: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._steps = 0  # steps completed: the worker's stall watch reads them (progress)
         self.cache = SimPrefixCache(self.timing.prefix_cache_blocks) if self.timing.prefix_cache_blocks else None
         self.cache_block_size = self.cache.block_size if self.cache else 0
 
@@ -201,6 +202,15 @@ class SimEngine(Engine):
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._running), waiting=len(self._waiting), kv_usage=0.0)
 
+    def progress(self) -> tuple[int, int] | None:
+        return len(self._by_id), self._steps
+
+    def failure(self) -> str | None:
+        task = self._loop_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            return f"the sim engine's step loop failed: {task.exception()!r}"
+        return None
+
     def _admit(self, req: EngineRequest, prefill_only: bool, remote_kv: bool) -> _Seq:
         seq = _Seq(req, prefill_only, remote_kv)
         seq.start = _output_start(req.prompt_token_ids)
@@ -244,6 +254,7 @@ class SimEngine(Engine):
                         break
                 tokens = sum(n for _, n in chunks)
                 await asyncio.sleep(t.prefill_base_s + t.prefill_per_token_s * tokens)
+                self._steps += 1
                 for seq, take in chunks:
                     if seq.req.request_id not in self._by_id:
                         continue  # aborted during the step
@@ -261,6 +272,7 @@ class SimEngine(Engine):
                         self._emit(seq)  # the prefill step also samples the first token
             else:
                 await asyncio.sleep(t.decode_base_s + t.decode_per_seq_s * len(self._running))
+                self._steps += 1
                 for seq in list(self._running):
                     self._emit(seq)
 

@@ -125,6 +125,9 @@ class VllmEngine(Engine):
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._in_flight: set[str] = set()
         self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
+        # Engine steps whose stats reached this process: vLLM reports every step that has requests
+        # (one waiting for remote KV included), so while requests are in, this count moves.
+        self._steps = 0
         self._remote_tokens: dict[str, int] = {}  # external request id -> tokens loaded via connector
         self._pulled_from: set[str] = set()  # prefill engines this one has read KV from (NIXL handshake done)
         self._nudges: set[asyncio.Task] = set()  # see release_kv
@@ -449,6 +452,22 @@ class VllmEngine(Engine):
                       len(self._in_flight) - running)
         return EngineStats(running=running, waiting=waiting, kv_usage=float(s.kv_cache_usage))
 
+    def progress(self) -> tuple[int, int] | None:
+        return len(self._in_flight), self._steps
+
+    def failure(self) -> str | None:
+        if self._llm is not None and self._llm.errored:
+            return "vLLM's engine core is dead (its process exited or its output handler failed)"
+        return None
+
+    def kill(self) -> None:
+        # The worker's children are this engine's processes (engine core; on CPU, its executor).
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
     # ---- vLLM hooks ------------------------------------------------------
 
     def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
@@ -466,6 +485,7 @@ class VllmEngine(Engine):
                 if scheduler_stats is None:
                     return
                 engine._sched = scheduler_stats
+                engine._steps += 1
                 step = getattr(scheduler_stats, "iteration_details", None)  # vLLM >= 0.32, when enabled
                 if step is None or step.is_dummy:
                     return
