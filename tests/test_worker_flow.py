@@ -180,6 +180,39 @@ async def test_a_handle_older_than_the_kv_lease_is_prefilled_locally(fleet):
     assert final.kv_transfer["local_prefill"] == "handle_expired" and final.kv_transfer["remote_prefill"] is False
 
 
+async def test_a_kv_pull_that_completes_past_the_handles_life_is_dropped_and_computed_here(redis_url, key_prefix):
+    """The handle is young enough to pull when the decode worker takes it (47 s of a 48 s life: 80% of
+    the 60 s lease), but the engine's first output, the pull's completion, comes 2 s later: the
+    prefill engine may have reused the blocks meanwhile. That output never reaches the client; the
+    prompt is computed here, with the same text as an undisturbed run, and says so."""
+    slow = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=2.0, decode_per_seq_s=0.0)
+    cfg, client, runtimes, tasks = await start_fleet(redis_url, key_prefix, slow, "late")
+    try:
+        keys = Keys(cfg.key_prefix)
+        want = await run_request(client, keys, gen_request("r-undisturbed", list(b"late pull"), 2, "colocated"))
+        req = gen_request("r-late", list(b"late pull"), 2)
+        late = m.DecodeWork(request=req, kv_handle={"engine_id": "prefill-engine"}, prefill_worker="prefill-late",
+                            prefill_started_ms=now_ms() - 47_100, prefill_finished_ms=now_ms() - 47_000)
+        pubsub = client.pubsub()
+        await pubsub.subscribe(keys.tokens(req.request_id))
+        await pubsub.get_message(timeout=1)
+        await enqueue(client, keys, "decode", late, 1000)
+        frames = []
+        async with asyncio.timeout(20):
+            while not frames or not isinstance(frames[-1], m.Finished):
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                if msg:
+                    frames.append(m.decode(msg["data"]))
+        await pubsub.aclose()
+    finally:
+        await stop_fleet(client, runtimes, tasks)
+    text = "".join(f.text for f in frames if isinstance(f, m.TokenDelta))
+    assert text == "".join(f.text for f in want if isinstance(f, m.TokenDelta)) and len(text) == 2
+    final = frames[-1]
+    assert final.kv_transfer["local_prefill"] == "kv_pull_late" and final.kv_transfer["remote_prefill"] is False
+    assert runtimes[1].metrics.pd_fallbacks.labels(reason="kv_pull_late")._value.get() == 1
+
+
 async def test_a_colocated_prompt_leaves_the_backlog_at_its_first_token(fleet):
     # Admission control counts prompts not yet computed; a colocated request that is
     # streaming its answer is no longer work ahead of anyone.

@@ -123,6 +123,7 @@ class DecodeHandler:
         if source.kv_handle is None:
             source.unpulled = None  # expired, or its prefill worker is gone: nothing to free
         else:
+            source.prefill_finished_ms = work.prefill_finished_ms
             await self.rt.tombstone_checked(req.request_id)  # a client gone meanwhile: its blocks freed below
         if source.why_local:
             observe.pd_fallback(self.rt, req, source.why_local)
@@ -207,17 +208,36 @@ class DecodeHandler:
                       source: _Source) -> AsyncIterator[GenerationChunk]:
         """The engine's chunks, with the prompt's KV pulled from `source` if it has a handle; if the
         pull fails before anything was generated, the prompt is computed here instead (NIXL handshake
-        or transfer failed, or timed out): counted and shown as a fallback, never a silent bypass."""
+        or transfer failed, or timed out): counted and shown as a fallback, never a silent bypass.
+
+        So it is when the pull completes (the first output comes) past the handle's life: the prefill
+        engine may have freed and reused the blocks while they were read (seen: a pull that hung 87 s
+        completed after the lease, the prefill engine logging "potentially invalid KV blocks ...
+        retrieved"). The output is dropped unseen and the prompt computed here."""
         source.unpulled = None  # the engine owns the handle now: an abort frees the blocks through vLLM
+        gen = self.rt.engine.generate(ereq, source.kv_handle)
+        lease_s = self.rt.cfg.engine.kv_lease_s
         try:
-            async for chunk in self.rt.engine.generate(ereq, source.kv_handle):
+            async for chunk in gen:
+                if source.prefill_finished_ms is not None:  # the first output: the pull is complete
+                    age = now_ms() - source.prefill_finished_ms
+                    source.prefill_finished_ms = None
+                    if handle_expired(age, lease_s):
+                        log.warning("the KV pull of %s completed %d ms after its prefill, past the handle's "
+                                    "life; dropping its output and prefilling it locally", req.request_id, age)
+                        await self.rt.engine.abort(ereq.request_id)
+                        await gen.aclose()  # before the same request id goes to the engine again
+                        why = "kv_pull_late"
+                        break
                 yield chunk
-            return
+            else:
+                return
         except KVPullFailed as exc:
             if source.kv_handle is None:
                 raise
             log.warning("%s; prefilling %s locally", exc, req.request_id)
-        source.kv_handle, source.why_local = None, "kv_pull_failed"
+            why = "kv_pull_failed"
+        source.kv_handle, source.why_local = None, why
         observe.pd_fallback(self.rt, req, source.why_local)
         async for chunk in self.rt.engine.generate(ereq, None):
             yield chunk
@@ -269,6 +289,7 @@ class _Source:
     kv_handle: dict | None
     why_local: str
     unpulled: dict | None = None  # a handle this attempt must pull or free, until the engine takes it
+    prefill_finished_ms: float | None = None  # of the handle to pull, until the pull is seen complete
 
 
 class _Stream:
