@@ -258,3 +258,18 @@ def test_no_process_of_the_fleet_outlives_a_launcher_killed_with_sigkill(tmp_pat
     left = wait_gone(fleet, timeout_s=30)
     assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left]
     assert not _port_open(gw_port) and not _port_open(redis_port)
+
+
+def test_engines_get_cores_of_their_own_pool():
+    from skyline.tools.launcher import core_binds
+
+    assert core_binds(0, 1, [0, 1]) == ["0-1"]  # a lone engine: every core
+    assert core_binds(1, 1, [0, 1]) == ["0", "1"]
+    assert core_binds(2, 2, [0, 1, 2, 3]) == ["0", "1", "2", "3"]
+    assert core_binds(0, 3, [0, 1]) == ["0", "1", "0"]  # colocated: round-robin
+    # More engines than cores: no decode engine on a prefill engine's core.
+    assert core_binds(1, 2, [0, 1]) == ["0", "1", "1"]
+    assert core_binds(2, 2, [0, 1]) == ["0", "0", "1", "1"]
+    assert core_binds(1, 3, [4, 5, 6]) == ["4", "5", "6", "5"]
+    assert core_binds(3, 1, [0, 1, 2]) == ["0", "1", "0", "2"]
+    assert core_binds(1, 1, [7]) == ["7", "7"]  # one core: nothing to separate

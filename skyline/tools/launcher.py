@@ -66,20 +66,17 @@ def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
 
 def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
                  metrics_port_base: int = METRICS_PORT_BASE) -> list[tuple[str, list[str]]]:
-    """(name, extra CLI args) per worker. Real engines are pinned round-robin to
-    cores (prefill first), so a prefill engine and a decode engine do not fight
-    for the same core; a lone colocated decode worker gets every core. Each
+    """(name, extra CLI args) per worker. Real engines are pinned to cores (`core_binds`); each
     worker gets its own metrics port (`metrics_port_base` + i; 0 = free ports)."""
     if cfg.gateway.mode == "colocated":
         n_prefill = 0
-    cores = _cores()
     plan = []
     roles = ["prefill"] * n_prefill + ["decode"] * n_decode
+    binds = core_binds(n_prefill, n_decode, _cores())
     for i, role in enumerate(roles):
         args = [role]
         if cfg.engine.kind == "vllm":
-            bind = f"{cores[0]}-{cores[-1]}" if len(roles) == 1 else str(cores[i % len(cores)])
-            args += ["--cpu-bind", bind]
+            args += ["--cpu-bind", binds[i]]
             # A colocated fleet never moves KV: no NIXL connector at all.
             args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
         if metrics_port_base:
@@ -87,6 +84,22 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
         name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
         plan.append((name, args))
     return plan
+
+
+def core_binds(n_prefill: int, n_decode: int, cores: list[int]) -> list[str]:
+    """The cores of each engine (prefill engines first): a lone engine gets every core; one core
+    each while there are enough; with more engines than cores, each pool shares its own cores (in
+    proportion to its engines) and no decode engine is put on a prefill engine's core: there, a
+    decode engine's first KV pull from that prefill engine hung for 87 s, both executors stalled
+    until the prefill engine's lease of the blocks ran out (3 of 3 times on 2 cores, 2026-12-03)."""
+    n = n_prefill + n_decode
+    if n == 1:
+        return [f"{cores[0]}-{cores[-1]}"]
+    if n <= len(cores) or not n_prefill or not n_decode or len(cores) == 1:
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    k = min(len(cores) - 1, max(1, round(len(cores) * n_prefill / n)))  # the prefill pool's cores
+    return ([str(cores[i % k]) for i in range(n_prefill)]
+            + [str(cores[k + i % (len(cores) - k)]) for i in range(n_decode)])
 
 
 @dataclass
