@@ -32,16 +32,20 @@ def gen_request(rid: str, prompt: list[int], max_tokens: int, route: str = "disa
                              t, t + 1000, 1000, 250, route=route)
 
 
-async def run_request(client, keys: Keys, req: m.GenerateRequest) -> list:
+async def run_request(client, keys: Keys, req: m.GenerateRequest, timeout_s: float = 10) -> list:
+    """Enqueue `req` (or decode work) as the gateway would; its frames up to the last."""
+    return await run_work(client, keys, req if req.route == "disagg" else m.DecodeWork(request=req), timeout_s)
+
+
+async def run_work(client, keys: Keys, work: m.GenerateRequest | m.DecodeWork, timeout_s: float = 10) -> list:
+    """Enqueue a request on the prefill stream, or decode work on the decode stream; its frames."""
+    req = work.request if isinstance(work, m.DecodeWork) else work
     pubsub = client.pubsub()
     await pubsub.subscribe(keys.tokens(req.request_id))
     await pubsub.get_message(timeout=1)  # subscribe confirmation
-    if req.route == "disagg":
-        await enqueue(client, keys, "prefill", req, 1000)
-    else:
-        await enqueue(client, keys, "decode", m.DecodeWork(request=req), 1000)
+    await enqueue(client, keys, "decode" if isinstance(work, m.DecodeWork) else "prefill", work, 1000)
     frames = []
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(timeout_s):
         while True:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
             if msg is None:
@@ -166,16 +170,7 @@ async def test_a_handle_older_than_the_kv_lease_is_prefilled_locally(fleet):
     req = gen_request("r-stale", list(b"stale"), 8)
     stale = m.DecodeWork(request=req, kv_handle={"engine_id": "gone"}, prefill_worker="p",
                          prefill_started_ms=now_ms() - 70_000, prefill_finished_ms=now_ms() - 69_000)
-    pubsub = client.pubsub()
-    await pubsub.subscribe(keys.tokens(req.request_id))
-    await pubsub.get_message(timeout=1)
-    await enqueue(client, keys, "decode", stale, 1000)
-    async with asyncio.timeout(10):
-        while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-            if msg and isinstance(final := m.decode(msg["data"]), m.Finished):
-                break
-    await pubsub.aclose()
+    final = (await run_work(client, keys, stale))[-1]
     assert final.completion_tokens == 8
     assert final.kv_transfer["local_prefill"] == "handle_expired" and final.kv_transfer["remote_prefill"] is False
 
@@ -193,17 +188,7 @@ async def test_a_kv_pull_that_completes_past_the_handles_life_is_dropped_and_com
         req = gen_request("r-late", list(b"late pull"), 2)
         late = m.DecodeWork(request=req, kv_handle={"engine_id": "prefill-engine"}, prefill_worker="prefill-late",
                             prefill_started_ms=now_ms() - 47_100, prefill_finished_ms=now_ms() - 47_000)
-        pubsub = client.pubsub()
-        await pubsub.subscribe(keys.tokens(req.request_id))
-        await pubsub.get_message(timeout=1)
-        await enqueue(client, keys, "decode", late, 1000)
-        frames = []
-        async with asyncio.timeout(20):
-            while not frames or not isinstance(frames[-1], m.Finished):
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-                if msg:
-                    frames.append(m.decode(msg["data"]))
-        await pubsub.aclose()
+        frames = await run_work(client, keys, late, timeout_s=20)
     finally:
         await stop_fleet(client, runtimes, tasks)
     text = "".join(f.text for f in frames if isinstance(f, m.TokenDelta))
