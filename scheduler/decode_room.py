@@ -29,7 +29,7 @@ class TokenPaceMeter:
     """Seconds per output token over the streams of one worker, in a sliding time window."""
 
     window_s: float = 10.0
-    _gaps: deque = field(default_factory=deque)  # (at_s, seconds, tokens)
+    _gaps: deque[tuple[float, float, int]] = field(default_factory=deque)  # (at_s, seconds, tokens)
     _seconds: float = 0.0  # running sums over _gaps: asked on every claim, so O(1)
     _tokens: int = 0
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 class ThroughputMeter:
     window_ms: int = 30_000  # forget work that ended longer ago than this
     max_samples: int = 256
-    _samples: deque = field(init=False)
+    _samples: deque[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._samples = deque(maxlen=self.max_samples)  # the oldest sample drops out as a new one comes

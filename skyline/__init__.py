@@ -9,3 +9,10 @@ The layers, lowest first (tests/test_layers.py keeps them; docs/modules.md maps 
   skyline.tools       operator tools: up, status, trace, model, bench, simulate
   skyline.cli         the one command line that starts any of them
 """
+
+from skyline.core import envs as _envs
+
+if _envs.SIM_NATIVE.is_set():  # `skyline simulate` with its compiled modules, before anything imports them
+    from skyline.tools.simulate.native import activate as _activate
+
+    _activate(_envs.SIM_NATIVE.get())

@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
         print(prepare_default_model())
         return
     if args.command in ("profile", "simulate"):
+        if args.command == "simulate" and argv is None and args.native:
+            from skyline.tools.simulate.native import restart_compiled
+
+            restart_compiled(sys.argv[1:])  # returns when no compiled build matches the sources
         from skyline.tools.simulate.cli import main as simulate_main
 
         args.exit_when_done = argv is None  # a command of its own: `skyline simulate` may skip teardown

@@ -62,10 +62,13 @@ NIXL_KEEP_CORES = EnvVar("SKYLINE_NIXL_KEEP_CORES", "",
 ENGINE_OWNER_PID = EnvVar("SKYLINE_ENGINE_OWNER_PID", "",
                           "pid of the worker whose vLLM engine processes end with their parent (skyline/core/lifetime.py)",
                           "vLLM engine processes (set by the worker)")
+SIM_NATIVE = EnvVar("SKYLINE_SIM_NATIVE", "",
+                    "the compiled build of the simulator's modules to load (skyline/tools/simulate/native.py)",
+                    "skyline simulate (set when it starts itself again with the build)")
 TEST_ARTIFACTS = EnvVar("SKYLINE_TEST_ARTIFACTS", "", "folder where tests keep screenshots and reports", "tests")
 
 ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, OPERATOR_API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
-                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, TEST_ARTIFACTS)
+                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, SIM_NATIVE, TEST_ARTIFACTS)
 
 
 def skyline_home() -> Path:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from typing import TYPE_CHECKING, Any
 
 from skyline.scheduler.claiming import ClaimShield
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
@@ -40,6 +41,12 @@ from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.tools.simulate.preempt import claim_for, victims_for
 from skyline.tools.simulate.prefill_worker import plan_chunks, shape_step
+from skyline.tools.simulate.request import SimRequest
+
+if TYPE_CHECKING:
+    from skyline.tools.simulate.fleet import Simulation
+    from skyline.tools.simulate.prefill_worker import PrefillWorker
+    from skyline.tools.simulate.prefix_cache import PrefixCache
 
 PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
 
@@ -47,27 +54,31 @@ PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its 
 class _Member:
     __slots__ = ("end_step", "first_step", "req")
 
-    def __init__(self, req, first_step: int, end_step: int):
+    def __init__(self, req: SimRequest, first_step: int, end_step: int):
         self.req, self.first_step, self.end_step = req, first_step, end_step
 
 
 class _Local:
     __slots__ = ("aborted", "claimed_at", "done", "order", "req")
 
-    def __init__(self, req, order: int, now: float):
+    def __init__(self, req: SimRequest, order: int, now: float):
         # a prefix-cache hit: the engine computes only the rest
         self.req, self.done, self.order, self.claimed_at, self.aborted = req, req.cached_tokens, order, now, False
 
 
 class DecodeWorker:
-    def __init__(self, sim, wid: int):
+    def __init__(self, sim: Simulation, wid: int):
         self.sim, self.wid = sim, wid
         self.name = f"decode-{wid}"
         self.perf = sim.perf_decode
         # the current segment: boundary after step k at time t, B members holding C KV tokens
-        self.k, self.t, self.C, self.B = 0, 0.0, 0, 0
-        self.a = self.b = 0.0
-        self.ends: list = []  # heap of (end_step, seq, member)
+        self.k: int = 0
+        self.t: float = 0.0
+        self.C: int = 0
+        self.B: int = 0
+        self.a: float = 0.0
+        self.b: float = 0.0
+        self.ends: list[tuple[int, int, _Member]] = []  # heap of (end_step, seq, member)
         self._seq = 0
         self.pending_first: list[_Member] = []  # joined at this boundary: first token at step k + 1
         # The next member's completion: `due` is when it happens (None: no closed-form batch), `armed`
@@ -78,7 +89,7 @@ class DecodeWorker:
         self.reserved = 0  # KV tokens of claimed requests not yet in the batch
         self.local: list[_Local] = []  # prompts this engine prefills itself (colocated)
         self.local_tokens = 0  # their prompt tokens: claims stop at the prefill token budget
-        self.joining: list = []  # KV arrived while stepping: join at the next step
+        self.joining: list[SimRequest] = []  # KV arrived while stepping: join at the next step
         self.stepping = False
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
         self._order = 0
@@ -87,7 +98,8 @@ class DecodeWorker:
         # (claim -> first token); heartbeated for admission control of colocated routes.
         self.meter = ThroughputMeter()
         self.rate_cache = (-1.0, 0.0)  # (read at, tokens/s) at the last heartbeat
-        self.neighbour = None  # the prefill worker sharing this host's cores (Simulation.shared_host)
+        # The prefill worker sharing this host's cores (Simulation.shared_host).
+        self.neighbour: PrefillWorker | None = None
         self.room = sim.claim_room
         self.preemption = sim.decode_preemption  # the policy with this engine's step shape
         self.claims = ClaimShield()  # after a preemption: claim only the protected tiers for a while
@@ -111,7 +123,7 @@ class DecodeWorker:
         self._coeffs = self.perf.decode_coeffs
         self.loop = sim.loop
         self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
-        self.cache = None  # its engine's prefix cache (prefix_cache.PrefixCache), when the fleet models one
+        self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
 
     # -- room and claims ---------------------------------------------------------------
 
@@ -147,7 +159,8 @@ class DecodeWorker:
                 break
             room = None
             limit -= 1
-            req, prefill_end = item
+            req: SimRequest = item[0]
+            prefill_end: float | None = item[1]
             self.reserved += req.prompt_tokens
             if self.headroom > 0:
                 self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
@@ -171,7 +184,7 @@ class DecodeWorker:
             self.in_ready = True
             sim.decode_ready.append(self)
 
-    def preempt(self, head, claimed: bool = True) -> int:
+    def preempt(self, head: SimRequest, claimed: bool = True) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many.
         `claimed`: this worker just took `head` (False: still queued, the worker full)."""
         victims = victims_for(self, self.local, head, claimed)
@@ -184,7 +197,7 @@ class DecodeWorker:
             self.sim.decode_q.push_retry(h.req, (h.req, None))  # back on its retry lane, to be prefilled again
         return len(victims)
 
-    def _kv_arrived(self, req) -> None:
+    def _kv_arrived(self, req: SimRequest) -> None:
         self.arriving -= 1
         if self.stepping:
             self.joining.append(req)
@@ -239,7 +252,7 @@ class DecodeWorker:
         while ends and ends[0][0] <= k:
             self._leave(heapq.heappop(ends)[2], t_new)
 
-    def _release_tpot(self, req) -> None:
+    def _release_tpot(self, req: SimRequest) -> None:
         if self.headroom <= 0:
             return
         n = self.tpot_held[req.tpot_ms] - 1
@@ -265,7 +278,7 @@ class DecodeWorker:
                 del self.tpot_held[req.tpot_ms]
         self.sim.on_done(req)
 
-    def _join(self, req, produced: int = 0) -> None:
+    def _join(self, req: SimRequest, produced: int = 0) -> None:
         """Add a member at the current boundary; `produced` = tokens it already has (1 after a local prefill)."""
         self.reserved -= req.prompt_tokens
         first_step = self.k + 1 - produced
@@ -361,7 +374,7 @@ class DecodeWorker:
             self.segments.append((self.k, self.t, 0, 0, dur, 0.0))
         self.sim.loop.at(self.t + dur, self._mixed_done, work)
 
-    def _mixed_done(self, work) -> None:
+    def _mixed_done(self, work: list[tuple[_Local, int]]) -> None:
         now = self.sim.loop.now
         for m in self.pending_first:
             m.req.first_t = now
@@ -409,11 +422,11 @@ class DecodeWorker:
         """Gaps between this member's token times, from the recorded segments (closed form within each)."""
         segs = self.segments
         times = []
-        i = len(segs) - 1
+        i = len(segs) - 1  # type: ignore[arg-type]
         for step in range(end_step, first_step - 1, -1):
-            while i > 0 and segs[i][0] >= step:
+            while i > 0 and segs[i][0] >= step:  # type: ignore[index]
                 i -= 1
-            k0, t0, c0, b0, a, b = segs[i]
+            k0, t0, c0, b0, a, b = segs[i]  # type: ignore[index]
             n = step - k0
             times.append(t0 + n * a + b * (n * c0 + b0 * n * (n - 1) / 2))
         times.reverse()

@@ -25,10 +25,10 @@ class EventLoop:
     __slots__ = ("_heap", "_seq", "fired", "now")
 
     def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list = []
-        self._seq = 0
-        self.fired = 0  # events run so far (arrivals included): the simulator's work measure
+        self.now: float = 0.0
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq: int = 0
+        self.fired: int = 0  # events run so far (arrivals included): the simulator's work measure
 
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         """Run fn(arg) at virtual time t (never earlier than now)."""
@@ -40,7 +40,8 @@ class EventLoop:
         t, now = self.now + delay, self.now
         heapq.heappush(self._heap, (t if t > now else now, self._seq, fn, arg))  # noqa: FURB136 - hot path
 
-    def run(self, until: float, arrivals: Iterable[tuple[float, Any]] = (), on_arrival=None) -> None:
+    def run(self, until: float, arrivals: Iterable[tuple[float, Any]] = (),
+            on_arrival: Callable[[Any], None] | None = None) -> None:
         """Fire events and arrivals in time order up to `until` (inclusive); the clock ends at `until`."""
         heap, pop = self._heap, heapq.heappop
         fired = 0
@@ -55,7 +56,7 @@ class EventLoop:
                 fn(arg)
                 fired += 1
             self.now = t_arrival
-            on_arrival(item)
+            on_arrival(item)  # type: ignore[misc]
             fired += 1
         while heap and heap[0][0] <= until:
             t, _seq, fn, arg = pop(heap)

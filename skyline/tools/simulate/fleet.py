@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import Any
 
 from skyline.core.config import SkylineConfig, prefill_cap
 from skyline.scheduler.admission import (
@@ -49,7 +50,7 @@ from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.preemption import PreemptionPolicy
 from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, StageLoads, choose
 from skyline.scheduler.step_budget import background_tokens
-from skyline.scheduler.tiers import resolve_slo
+from skyline.scheduler.tiers import Slo, resolve_slo
 from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.events import EventLoop
 from skyline.tools.simulate.perf import PerfModel
@@ -108,8 +109,8 @@ class Simulation:
         self.decode_background = background_tokens(cfg.engine.background_step_tokens, perf_decode.max_step_tokens)
         self.urgent_priority = min(t.priority for t in cfg.tiers)
         self.max_held_steps = cfg.engine.hold_background_steps
-        w = cfg.worker
-        self.preemption = PreemptionPolicy(w.preemption, w.max_preemptions, perf_prefill.max_step_tokens,
+        wc = cfg.worker
+        self.preemption = PreemptionPolicy(wc.preemption, wc.max_preemptions, perf_prefill.max_step_tokens,
                                            self.prefill_cap, self.prefill_background, self.max_held_steps > 0)
         self.decode_preemption = replace(self.preemption, step_tokens=perf_decode.max_step_tokens,
                                          prefill_cap=self.decode_cap, background_tokens=self.decode_background)
@@ -143,7 +144,7 @@ class Simulation:
                                      + [SimpleNamespace(role="decode", tokens_per_s=0.0) for _ in self.decode_workers])
         self._preempt_armed = False
         self.ranks_seen: set[int] = set()  # tiers admitted so far (one alone: no preemption possible)
-        self._slo_cache: dict = {}
+        self._slo_cache: dict[tuple[str, float, float], Slo] = {}
         self.counters = {"admitted": 0, "rejected": 0, "overloaded": 0, "demoted": 0, "preempted": 0,
                          "completed": 0, "handle_expired": 0}
         self.completed = 0
@@ -172,7 +173,7 @@ class Simulation:
 
     # -- the gateway ------------------------------------------------------------------------------
 
-    def _slo(self, req: SimRequest):
+    def _slo(self, req: SimRequest) -> Slo:
         """resolve_slo is pure and depends on arrival only through the deadline: memoised per class of request."""
         key = (req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)
         slo = self._slo_cache.get(key)
@@ -185,7 +186,7 @@ class Simulation:
 
     def arrive(self, req: SimRequest) -> None:
         now = self.loop.now
-        slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
+        slo: Slo = self._slo_cache.get((req.requested_tier, req.ttft_target_ms, req.tpot_target_ms)) or self._slo(req)
         req.tier, req.priority, req.tpot_ms = slo.tier, slo.priority, slo.tpot_ms
         req.deadline = now + slo.ttft_ms / 1000
         n = req.prompt_tokens
@@ -194,7 +195,7 @@ class Simulation:
         faster = None
         if self.admission is not None and self.prefill_workers:  # as the live gateway: with the backlog read
             def faster() -> bool:
-                return prefill_is_faster(self.admission, self.tiers, slo.tier,
+                return prefill_is_faster(self.admission, self.tiers, slo.tier,  # type: ignore[arg-type]
                                          match.best_uncached("prefill") if match is not None else n, left,
                                          {"prefill": self.prefill_q.backlog, "decode": self.decode_q.backlog},
                                          self.seen_rate, self.calibration)
@@ -254,14 +255,15 @@ class Simulation:
     def _match(self, req: SimRequest) -> CacheMatch:
         """What each worker's engine holds of the request's prompt, and the workers' heartbeats: the
         live gateway's `CacheMatch` (there read from the cache view in Redis)."""
-        return CacheMatch(req.prompt_tokens, self.block_size, self.cache_view.matched(req.chain[:req.prompt_blocks]),
+        chain = req.chain[:req.prompt_blocks]  # type: ignore[index]
+        return CacheMatch(req.prompt_tokens, self.block_size, self.cache_view.matched(chain),
                           self._all_beats, self._loads)
 
     def _push_placed(self, q, ready, req: SimRequest, prefill_end) -> None:
         """Into the affinity lane of the worker the request was placed for: that worker claims it if it is
         waiting for work; any other once the bound passes (the fleet wakes the waiting ones then)."""
         q.push_placed(req, (req, prefill_end), req.placed_for)
-        w = self.workers[req.placed_for]
+        w = self.workers[req.placed_for]  # type: ignore[index]
         if w.in_ready:
             ready.remove(w)
             w.in_ready = False
@@ -326,8 +328,9 @@ class Simulation:
                 w.rate_cache = (self.loop.now, w.meter.tokens_per_s(now_ms) or 0.0)
             self._refresh_next[role] = (start + n) % len(pool)
         view = self._view
-        for w, info in zip(self.prefill_workers + self.decode_workers, view.workers):
-            info.tokens_per_s = w.rate_cache[1]
+        everyone: list[Any] = [*self.prefill_workers, *self.decode_workers]
+        for wk, info in zip(everyone, view.workers):
+            info.tokens_per_s = wk.rate_cache[1]
         if self.caching:  # the load placement reads: running requests and KV usage, as heartbeated
             for w, beat in zip(self.prefill_workers, self._beats["prefill"]):
                 beat.running = len(w.held)
@@ -353,7 +356,7 @@ class Simulation:
                 continue
             head_rank = entry[0].rank
             for w in pool:
-                held = w.held if pool is self.prefill_workers else w.local
+                held = w.held if pool is self.prefill_workers else w.local  # type: ignore[union-attr]
                 if held and not w.has_room() and any(h.req.rank > head_rank for h in held):
                     head = q.head()  # an earlier worker's preemption may have changed it
                     if head is not None and w.preempt(head[0], claimed=False):
@@ -383,7 +386,8 @@ class Simulation:
                 "decode_workers": len(self.decode_workers),
                 "devices": self.fleet.devices(self.perf_prefill, self.perf_decode), "counters": dict(self.counters),
                 **({"prefix_cache": {"affinity": self.affinity is not None, "block_size": self.block_size,
-                                     "evicted_blocks": sum(w.cache.evicted for w in self.workers.values())}}
+                                     "evicted_blocks": sum(w.cache.evicted  # type: ignore[misc, union-attr]
+                                                           for w in self.workers.values())}}
                    if self.caching else {})}
 
 

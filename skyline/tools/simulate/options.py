@@ -38,6 +38,9 @@ def add_simulate_parser(sub) -> None:
     perf.add_argument("--mfu", type=float, help="with --gpu: model FLOP utilisation (default 0.55)")
     perf.add_argument("--mbu", type=float, help="with --gpu: memory bandwidth utilisation (default 0.75)")
 
+    p.add_argument("--no-native", dest="native", action="store_false",
+                   help="run the simulator's Python modules even when a compiled build of them matches the sources "
+                        "(`make sim-native`; the same results, ~2.7x slower)")
     fleet = p.add_argument_group("fleet")
     fleet.add_argument("--mode", default="both", choices=["disagg", "colocated", "both"],
                        help="which fleet(s) to simulate; both = colocated then disagg (default)")

@@ -14,11 +14,19 @@ their work here is done, or their deadline passes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from skyline.scheduler.preemption import Waiting, victims
 from skyline.scheduler.throughput import rate_or_prior
+from skyline.tools.simulate.request import SimRequest
+
+if TYPE_CHECKING:
+    from skyline.tools.simulate.decode_worker import DecodeWorker
+    from skyline.tools.simulate.prefill_worker import PrefillWorker
+    from skyline.tools.simulate.queues import StageQueues
 
 
-def measured_rate(worker) -> float:
+def measured_rate(worker: PrefillWorker | DecodeWorker) -> float:
     """The worker's prefill tokens/s: its meter, re-read once per heartbeat; the prior before any sample."""
     sim = worker.sim
     now = sim.loop.now
@@ -29,7 +37,7 @@ def measured_rate(worker) -> float:
     return rate_or_prior(rate, sim.worker_cfg.prior_prefill_tokens_per_s)
 
 
-def victims_for(worker, held: list, head, claimed: bool = True) -> list:
+def victims_for(worker: PrefillWorker | DecodeWorker, held: list, head: SimRequest, claimed: bool = True) -> list:
     """The handles in `held` (each with `.req`) to abort so that request `head` can meet its deadline,
     in the order the live worker aborts (and so re-queues) them; each victim's request is counted as
     preempted once more, and the worker shields `head`'s tiers when there are any."""
@@ -51,7 +59,7 @@ def victims_for(worker, held: list, head, claimed: bool = True) -> list:
     return out
 
 
-def claim_for(worker, q, held: list):
+def claim_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) -> tuple | None:
     """The next entry of stage queues `q` the worker may take, or None: only work placed for other
     workers waits, within its bound (`claim_as`), or its shield holds and only looser tiers wait
     (`scheduler.claiming.ClaimShield`, as the live worker's claim loop): expired, or with none of its

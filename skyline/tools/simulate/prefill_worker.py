@@ -18,22 +18,30 @@ it claims, and for the EDF head while it is full.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from skyline.scheduler.claiming import ClaimShield
 from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
 from skyline.tools.simulate.preempt import claim_for, victims_for
+from skyline.tools.simulate.request import SimRequest
+
+if TYPE_CHECKING:
+    from skyline.tools.simulate.decode_worker import DecodeWorker
+    from skyline.tools.simulate.fleet import Simulation
+    from skyline.tools.simulate.prefix_cache import PrefixCache
 
 
 class _Held:
     __slots__ = ("aborted", "claimed_at", "done", "order", "req")
 
-    def __init__(self, req, order: int, now: float):
+    def __init__(self, req: SimRequest, order: int, now: float):
         # a prefix-cache hit: the engine computes only the rest
         self.req, self.done, self.order, self.aborted, self.claimed_at = req, req.cached_tokens, order, False, now
 
 
 class PrefillWorker:
-    def __init__(self, sim, wid: int):
+    def __init__(self, sim: Simulation, wid: int):
         self.sim, self.wid = sim, wid
         self.name = f"prefill-{wid}"
         self.held: list[_Held] = []
@@ -44,14 +52,15 @@ class PrefillWorker:
         self._order = 0
         self.busy_s = 0.0
         self.in_ready = False  # waiting for work in the stage's ready queue (a blocked XREADGROUP)
-        self.neighbour = None  # the decode worker sharing this host's cores (Simulation.shared_host)
+        # The decode worker sharing this host's cores (Simulation.shared_host).
+        self.neighbour: DecodeWorker | None = None
         self.room = sim.claim_room
         self.preemption = sim.preemption  # the policy with this engine's step shape
         self.claims = ClaimShield()  # after a preemption: claim only the protected tiers for a while
         self.shaper = StepShaper(urgent_priority=sim.urgent_priority, step_tokens=sim.perf_prefill.max_step_tokens,
                                  prefill_cap=sim.prefill_cap, background=sim.prefill_background,
                                  max_held=sim.max_held_steps)
-        self.cache = None  # its engine's prefix cache (prefix_cache.PrefixCache), when the fleet models one
+        self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
 
     # -- claiming ------------------------------------------------------------------
 
@@ -74,7 +83,7 @@ class PrefillWorker:
                 shielded = self.claims.shield is not None
                 break
             limit -= 1
-            req, _ = item
+            req: SimRequest = item[0]
             if self.cache is not None and req.chain is not None:
                 req.cached_tokens = self.cache.hit(req)  # the engine computes only the rest
             self.preempt(req)  # live: every claimed prompt competes for the step budget
@@ -124,7 +133,7 @@ class PrefillWorker:
         self.busy_s += dur
         sim.loop.after(dur, self._step_done, work)
 
-    def _step_done(self, work) -> None:
+    def _step_done(self, work: list[tuple[_Held, int]]) -> None:
         self.stepping = False
         now = self.sim.loop.now
         for h, n in work:
@@ -154,7 +163,7 @@ class PrefillWorker:
 
     # -- fleet-level preemption ---------------------------------------------------------------
 
-    def preempt(self, head, claimed: bool = True) -> int:
+    def preempt(self, head: SimRequest, claimed: bool = True) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many.
         `claimed`: this worker just took `head` (False: still queued, the worker full)."""
         victims = victims_for(self, self.held, head, claimed)
@@ -168,7 +177,7 @@ class PrefillWorker:
         return len(victims)
 
 
-def shape_step(shaper: StepShaper, order: list, decoding: int, sim):
+def shape_step(shaper: StepShaper, order: list, decoding: int, sim: Simulation) -> tuple[list, Any]:
     """The engine's step shape by tier (the live scheduler hook's `StepShaper`) for the prompts in `order`
     (handles with `.req` and `.done`, in the engine's order) and `decoding` running decodes: the prompts
     that take part in the step (started looser-tier ones sit out while it holds them back) and its shape."""

@@ -125,7 +125,7 @@ class StageQueues:
                 heads[t], chosen[t] = due, (best, holder)
         if not heads:
             return None
-        lane, holder = chosen[pick_tier(heads, self.tier_order)]
+        lane, holder = chosen[pick_tier(heads, self.tier_order)]  # type: ignore[index]
         item = lane.popleft()
         self.size -= 1
         if holder is not None:
@@ -147,19 +147,20 @@ class StageQueues:
                 heads = {t: d for t, d in heads.items() if t in allowed}
             if not heads:
                 return None
-            lane = self._lane(pick_tier(heads, self.tier_order))
+            lane = self._lane(pick_tier(heads, self.tier_order))  # type: ignore[arg-type]
             self.size -= 1
-            if lane is not self.queues[lane[0][0].tier]:
+            if lane is not self.queues[lane[0][0].tier]:  # type: ignore[index]
                 self.retry_size -= 1
-            return lane.popleft()
+            return lane.popleft()  # type: ignore[union-attr]
         self.size -= 1
         only = None
         for q in self.queues.values():
             if q:
                 if only is not None:  # several tiers waiting: the EDF policy chooses
-                    return self.queues[pick_tier(self.heads(), self.tier_order)].popleft()
+                    return self.queues[pick_tier(self.heads(), self.tier_order)].popleft()  # type: ignore[index]
                 only = q
-        return only.popleft()  # one tier waiting: pick_tier would name it (the hot path of a big fleet)
+        # One tier waiting: pick_tier would name it (the hot path of a big fleet).
+        return only.popleft()  # type: ignore[union-attr]
 
     def reserve(self, tier: str, tokens: int) -> None:
         self.backlog[tier] += tokens

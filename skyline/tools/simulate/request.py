@@ -40,7 +40,8 @@ class SimRequest:
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.ttft_target_ms, self.tpot_target_ms = ttft_target_ms, tpot_target_ms
         self.tier, self.rank, self.priority, self.deadline = tier, 0, 0, 0.0
-        self.route, self.preemptions, self.decision, self.model_ttft_ms = "", 0, "", 0.0
+        self.route, self.preemptions, self.decision = "", 0, ""
+        self.model_ttft_ms: float | None = 0.0
         self.tpot_ms = 0  # the resolved SLO's TPOT target (what the live request carries)
         self.prefill_start = self.prefill_end = self.first_t = self.done_t = 0.0
         self.itl_s: list[float] | tuple = ()  # gaps between tokens, filled only when the run records them
@@ -48,14 +49,15 @@ class SimRequest:
         self.ttft_s = self.tpot_s = self.latency_s = 0.0
         self.server_prompt_tokens = prompt_tokens
         self.cached_tokens = 0
-        self.oracle_cached_tokens = None
-        self.chain = None
+        self.oracle_cached_tokens: int | None = None
+        self.chain: tuple[str, ...] | None = None
         self.prompt_blocks = 0
-        self.session = self.turn = None
-        self.next_turn = None
+        self.session: int | None = None
+        self.turn: int | None = None
+        self.next_turn: SimRequest | None = None
         self.think_s = 0.0
         self.backlog_tokens = prompt_tokens
-        self.placed_for = None
+        self.placed_for: str | None = None
         self.until_ms = 0
 
     def resent(self) -> SimRequest:

@@ -30,7 +30,7 @@ from skyline.tools.bench.options import FULL, QUICK, parse_per_class, parse_rang
 from skyline.tools.bench.slo import SloTargets, explicit_targets
 from skyline.tools.bench.workload import CLASSES, WorkloadSpec, requests_for
 from skyline.tools.bench.multiturn import MultiturnSpec
-from skyline.tools.simulate import sessions
+from skyline.tools.simulate import native, sessions
 from skyline.tools.simulate import summary as fast_summary
 from skyline.tools.simulate import systems as sysmod
 from skyline.tools.simulate.fleet import Simulation
@@ -126,6 +126,7 @@ def trace_profile(trace: str) -> str | None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> None:
     command = " ".join(shlex.quote(a) for a in ["skyline", *argv])
+    print(native.describe())
     if args.search and getattr(args, "workload", "mixed") == "multiturn":
         raise SystemExit("--search sizes fleets for the mixed workload; simulate a multi-turn plan with --rates")
     p = _preset(args)
