@@ -130,3 +130,31 @@ def test_preempted_prefill_counts_every_attempt():
 
 def test_event_names_are_unique_and_snake_case():
     assert len(set(EVENTS)) == len(EVENTS) and all(e.replace("_", "").isalpha() and e.islower() for e in EVENTS)
+
+
+def test_the_log_handler_writes_to_stderr_as_it_is_when_a_line_comes(monkeypatch):
+    """A stderr replaced and closed after logging was set up (pytest does so per test) takes no line and
+    raises nothing: the next stderr gets it."""
+    import io
+    import logging
+    import sys
+
+    from skyline.core.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        setup_logging("INFO")
+        logging.getLogger("skyline.test").info("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("skyline.test").info("two")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+    assert second.getvalue().endswith("INFO skyline.test: two\n")

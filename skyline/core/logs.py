@@ -37,11 +37,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class CurrentStderr(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a record comes, not as it was at setup: the same thing in a
+    process of its own; in a test run, where pytest gives each test a stderr of its own and closes it,
+    a handler set up by one test would fail on every line logged after it ("I/O operation on closed file")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Configure the root logger once per process (replacing earlier handlers)."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = CurrentStderr()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for h in list(root.handlers):
