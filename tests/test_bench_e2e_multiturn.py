@@ -62,7 +62,8 @@ def test_turns_extend_their_conversation_and_both_fleets_got_the_same_sessions(b
                        for a, b in zip(recs, recs[1:])), seen  # closed loop: after the answer, which it holds
             assert all(r["prompt_tokens"] <= MAX_PROMPT for r in recs), seen
             assert all(r["output_tokens"] == r["max_tokens"] for r in recs if r["outcome"] == "ok"), seen
-            assert all(r["cached_tokens"] <= r["oracle_cached_tokens"] for r in recs)
+            # Hits are reported for what was served (a refused turn has none: seen in CI, a 429 on a busy machine).
+            assert all(r["cached_tokens"] <= r["oracle_cached_tokens"] for r in recs if r["outcome"] == "ok")
             if recs[0]["cls"] == "rag":
                 assert len(recs) == 1
         firsts[name] = {s: (recs[0]["cls"], recs[0]["prompt_tokens"]) for s, recs in turns.items()}
