@@ -102,6 +102,21 @@ def stream_text(client: openai.OpenAI, max_tokens: int, on_chunk=None, **extra) 
     return text, ext, gap
 
 
+def kill_decode_holder_at(fleet: Fleet, r: redis.Redis, key_prefix: str, chunk: int, then=None):
+    """(the killed worker ids, an `on_chunk` hook for stream_text): at chunk `chunk` the worker holding the
+    decode entry is killed -9, and `then()` runs after."""
+    killed: list[str] = []
+
+    def hook(i: int) -> None:
+        if i == chunk and not killed:
+            killed.append(holder(r, Keys(key_prefix), "decode"))
+            kill9(fleet, killed[0])
+            if then is not None:
+                then()
+
+    return killed, hook
+
+
 def reference(client: openai.OpenAI, max_tokens: int) -> str:
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
     return resp.choices[0].text
@@ -112,13 +127,7 @@ def test_decode_worker_killed_mid_stream_migrates_without_gap_or_duplicate(make_
     with make_fleet(workers) as fleet:
         client = fleet.client(timeout_s=60)
         want = reference(client, 60)
-        killed = []
-
-        def kill_holder(i: int) -> None:
-            if i == 10 and not killed:
-                killed.append(holder(r, Keys(key_prefix), "decode"))
-                kill9(fleet, killed[0])
-
+        killed, kill_holder = kill_decode_holder_at(fleet, r, key_prefix, 10)
         t0 = time.monotonic()
         text, ext, gap = stream_text(client, 60, on_chunk=kill_holder)
         elapsed = time.monotonic() - t0
@@ -150,14 +159,8 @@ def test_a_worker_restarted_under_the_same_id_resumes_what_its_predecessor_held(
     with make_fleet(workers) as fleet:
         client = fleet.client(timeout_s=60)
         want = reference(client, 60)
-        killed = []
-
-        def restart_holder(i: int) -> None:
-            if i == 10 and not killed:
-                killed.append(holder(r, Keys(key_prefix), "decode"))
-                kill9(fleet, killed[0])
-                fleet.start_worker("decode-a", "decode")
-
+        killed, restart_holder = kill_decode_holder_at(fleet, r, key_prefix, 10,
+                                                       then=lambda: fleet.start_worker("decode-a", "decode"))
         text, ext, _gap = stream_text(client, 60, on_chunk=restart_holder)
 
     assert killed == ["decode-a"], "the stream ended before the kill"
@@ -170,13 +173,7 @@ def test_seeded_request_is_not_migrated_but_fails_explicitly(make_fleet, r, key_
     workers = {"prefill-1": ("prefill",), "decode-a": ("decode",), "decode-b": ("decode",)}
     with make_fleet(workers) as fleet:
         client = fleet.client(timeout_s=60)
-        killed = []
-
-        def kill_holder(i: int) -> None:
-            if i == 5 and not killed:
-                killed.append(holder(r, Keys(key_prefix), "decode"))
-                kill9(fleet, killed[0])
-
+        _killed, kill_holder = kill_decode_holder_at(fleet, r, key_prefix, 5)
         with pytest.raises(openai.APIError) as err:
             stream_text(client, 60, on_chunk=kill_holder, seed=7, temperature=0.8)  # seeded sampling
     assert "seed" in str(err.value)

@@ -42,9 +42,6 @@ class CurrentStderr(logging.StreamHandler):
     process of its own; in a test run, where pytest gives each test a stderr of its own and closes it,
     a handler set up by one test would fail on every line logged after it ("I/O operation on closed file")."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property
     def stream(self):  # type: ignore[override]
         return sys.stderr
