@@ -559,7 +559,7 @@ class WorkerRuntime:
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
-        while not self.left_fleet:
+        while True:
             await asyncio.sleep(self.cfg.worker.heartbeat_s)
             if self.left_fleet:
                 return

@@ -135,15 +135,19 @@ def activate(folder: str) -> None:
     sys.meta_path.insert(0, _CompiledFirst(Path(folder)))
 
 
+def _finder() -> _CompiledFirst | None:
+    return next((f for f in sys.meta_path if isinstance(f, _CompiledFirst)), None)
+
+
 def active() -> bool:
     """Does this process run the compiled modules?"""
-    return any(isinstance(f, _CompiledFirst) for f in sys.meta_path)
+    return _finder() is not None
 
 
 def describe() -> str:
     """Which code this process simulates with, for the command's output."""
-    if active():
-        return f"simulator: compiled modules (mypyc build {Path(sys.path[0]).name})"
+    if (finder := _finder()) is not None:
+        return f"simulator: compiled modules (mypyc build {finder.folder.name})"
     if fresh_build() is not None:
         return "simulator: Python modules (--no-native, or run in-process)"
     return ("simulator: Python modules (no compiled build matches these sources; `make sim-native` builds one, "
