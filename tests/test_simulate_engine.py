@@ -50,6 +50,30 @@ def test_an_event_scheduled_in_the_past_runs_now():
     assert seen == [4.0]
 
 
+
+def test_the_compiled_loops_heap_pops_what_heapq_pops():
+    """The compiled event loop's own push and pop (events._push/_pop) against heapq, on entries with
+    many equal times (the sequence number decides) and interleaved pushes and pops."""
+    import heapq
+    import random
+
+    from skyline.tools.simulate.events import _pop, _push
+
+    rng = random.Random(7)
+    ours, theirs, popped_ours, popped_theirs = [], [], [], []
+    for seq in range(5_000):
+        entry = (float(rng.randint(0, 200)) / 4, seq, None, seq)
+        _push(ours, entry)
+        heapq.heappush(theirs, entry)
+        if rng.random() < 0.4:
+            popped_ours.append(_pop(ours))
+            popped_theirs.append(heapq.heappop(theirs))
+    while theirs:
+        popped_ours.append(_pop(ours))
+        popped_theirs.append(heapq.heappop(theirs))
+    assert popped_ours == popped_theirs and not ours
+    assert len(popped_ours) == 5_000
+
 # -- performance models -------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from skyline.tools.bench.client import RequestRecord
+from skyline.tools.bench.verdict import attains, tpot  # noqa: F401 - tpot: part of this module's surface
 from skyline.tools.bench.workload import BenchRequest
 
 OUTCOMES = ("ok", "rejected", "error", "cancelled")
@@ -68,17 +69,8 @@ def outcome_of(rec: RequestRecord) -> str:
     return "error"
 
 
-def tpot(latency_s: float, ttft_s: float, output_tokens: int) -> float:
-    """vLLM's TPOT: decode time spread over the tokens after the first."""
-    return (latency_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
-
-
 def itls(chunk_times: list[float]) -> list[float]:
     return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-
-
-def attains(outcome: str, ttft_s: float, tpot_s: float, ttft_target_ms: float, tpot_target_ms: float) -> bool:
-    return outcome == "ok" and ttft_s * 1000 <= ttft_target_ms and tpot_s * 1000 <= tpot_target_ms
 
 
 def build_record(system: str, rate: float, req: BenchRequest, sent_s: float, rec: RequestRecord | None,

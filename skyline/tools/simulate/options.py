@@ -40,7 +40,7 @@ def add_simulate_parser(sub) -> None:
 
     p.add_argument("--no-native", dest="native", action="store_false",
                    help="run the simulator's Python modules even when a compiled build of them matches the sources "
-                        "(`make sim-native`; the same results, ~2.7x slower)")
+                        "(`make sim-native`; the same results, ~3x slower)")
     fleet = p.add_argument_group("fleet")
     fleet.add_argument("--mode", default="both", choices=["disagg", "colocated", "both"],
                        help="which fleet(s) to simulate; both = colocated then disagg (default)")

@@ -8,7 +8,8 @@ measured ones: one definition of every metric for both.
 
 from __future__ import annotations
 
-from skyline.tools.bench.record import BenchRecord, attains, tpot
+from skyline.tools.bench.record import BenchRecord
+from skyline.tools.bench.verdict import attains, tpot
 
 
 class SimRequest:
