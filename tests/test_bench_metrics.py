@@ -11,9 +11,10 @@ from skyline.tools.bench.client import RequestRecord
 
 from skyline.core.stats import percentile
 from skyline.tools.bench.metrics import format_goodput, goodput, summarize
-from skyline.tools.bench.record import BenchRecord, build_record, tpot
+from skyline.tools.bench.record import BenchRecord, build_record
 from skyline.tools.bench.shaping import shape
 from skyline.tools.bench.slo import derive_targets
+from skyline.tools.bench.verdict import tpot
 from skyline.tools.bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, class_sequence, make_requests
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from skyline.tools.bench.client import RequestRecord
-from skyline.tools.bench.verdict import attains, tpot  # noqa: F401 - tpot: part of this module's surface
+from skyline.tools.bench.verdict import attains, tpot
 from skyline.tools.bench.workload import BenchRequest
 
 OUTCOMES = ("ok", "rejected", "error", "cancelled")
