@@ -34,20 +34,8 @@ COMPILED: Final = not __file__.endswith(".py")
 
 def _push(heap: list[Entry], entry: Entry) -> None:
     """heapq.heappush for these entries (the compiled module's)."""
-    t: float = entry[0]
-    seq: int = entry[1]
-    pos = len(heap)
     heap.append(entry)
-    while pos > 0:
-        up = (pos - 1) >> 1
-        parent = heap[up]
-        pt: float = parent[0]
-        if t < pt or (t == pt and seq < cast(int, parent[1])):
-            heap[pos] = parent
-            pos = up
-        else:
-            break
-    heap[pos] = entry
+    _settle(heap, len(heap) - 1, entry)
 
 
 def _pop(heap: list[Entry]) -> Entry:
@@ -70,8 +58,14 @@ def _pop(heap: list[Entry]) -> Entry:
         heap[pos] = heap[child]
         pos = child
         child = 2 * pos + 1
-    t: float = last[0]
-    seq: int = last[1]
+    _settle(heap, pos, last)
+    return top
+
+
+def _settle(heap: list[Entry], pos: int, entry: Entry) -> None:
+    """Put `entry` at `pos` or above it, moving the larger entries on its way to the root down."""
+    t: float = entry[0]
+    seq: int = entry[1]
     while pos > 0:
         up = (pos - 1) >> 1
         parent = heap[up]
@@ -81,8 +75,7 @@ def _pop(heap: list[Entry]) -> Entry:
             pos = up
         else:
             break
-    heap[pos] = last
-    return top
+    heap[pos] = entry
 
 
 class EventLoop:
