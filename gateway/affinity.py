@@ -64,8 +64,8 @@ def look_up(workers: list[WorkerInfo], req: GenerateRequest, max_blocks: int) ->
 
 
 def placement(policy: AffinityPolicy, match: CacheMatch | None, stage: str, req: GenerateRequest,
-              in_flight: PlacedInFlight | None = None) -> Placement | None:
+              in_flight: PlacedInFlight | None = None, stage_rate: float | None = None) -> Placement | None:
     """The worker of `stage` to place the request for, with its bound (scheduler/prefix.py `choose`,
-    on this machine's clock); None: the shared queue."""
-    c = choose(policy, match, stage, req.request_id, now_ms(), req.deadline_ms, in_flight)
+    on this machine's clock; `stage_rate`: the stage's measured prefill tokens/s); None: the shared queue."""
+    c = choose(policy, match, stage, req.request_id, now_ms(), req.deadline_ms, in_flight, stage_rate)
     return None if c is None else Placement(c.worker, c.until_ms, c.matched_blocks)

@@ -172,7 +172,9 @@ class Dispatcher:
         if match is None:
             return prep
         stage = stage_of(prep.route)
-        placed = placement(self.affinity_policy, match, stage, prep.request, self.placed)
+        assert self.fleet is not None
+        placed = placement(self.affinity_policy, match, stage, prep.request, self.placed,
+                           pool_rate(self.fleet.workers, stage))
         ids = match.stage(stage).ids
         worker = placed.worker if placed else ids[0] if len(ids) == 1 else None
         return replace(prep, placement=placed, uncached_tokens=match.uncached_tokens(worker))

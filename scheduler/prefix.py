@@ -20,9 +20,11 @@ is cheaper than every other by `min_blocks`; otherwise to the shared queue,
 where the first worker with room takes it, as without affinity.
 
 The wait (`wait_bound_ms`, `may_claim`). A placed request waits for its holder
-at most `slack_share` of its slack to the TTFT deadline (and never more than
-`max_wait_ms`); past that bound, or once the holder is gone, any worker may
-claim it. A request never waits past its slack for affinity, and no worker
+at most `slack_share` of its slack to the TTFT deadline, or, when moving it would
+cost more than that (the time another worker takes to recompute what only the
+holder has cached: a long conversation's history), up to that time, but never
+past its slack, and never more than `max_wait_ms`; past that bound, or once the
+holder is gone, any worker may claim it. A request never waits past its slack for affinity, and no worker
 idles while work it could take is past that bound; EDF across tiers is
 unchanged, because a worker still claims the earliest deadline among the heads
 it may claim.
@@ -148,10 +150,24 @@ def cheapest(policy: AffinityPolicy, costs: Sequence[float]) -> int | None:
     return k
 
 
-def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int) -> int:
-    """Until when (Unix ms) only the holder may claim a request placed now: a share of its slack."""
+def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int, move_ms: float = 0.0) -> int:
+    """Until when (Unix ms) only the holder may claim a request placed now: a share of its slack, or
+    `move_ms` (what moving it costs: another worker recomputing what the holder has cached) where
+    that is longer, since waiting that long for the holder ends no later than moving at once would
+    (ski rental: never worse than twice the better of the two). Never past the slack: a request
+    that would miss its deadline waiting is free to go anywhere by then."""
     slack = max(0, deadline_ms - now_ms)
-    return now_ms + min(policy.max_wait_ms, int(policy.slack_share * slack))
+    wait = max(policy.slack_share * slack, min(move_ms, slack))
+    return now_ms + min(policy.max_wait_ms, int(wait))
+
+
+def move_ms(saved_tokens: int, stage_rate: float | None, workers: int) -> float:
+    """What moving a placed request off its holder costs: the `saved_tokens` the holder has cached and
+    the next best worker has not, recomputed at one worker's share of the stage's measured prefill
+    rate (`stage_rate`, tokens/s of the `workers` of the stage together; None: not measured yet, 0)."""
+    if not stage_rate or workers <= 0 or saved_tokens <= 0:
+        return 0.0
+    return saved_tokens * 1000.0 * workers / stage_rate
 
 
 def may_claim(me: str, holder: str, now_ms: int, until_ms: int, holder_alive: bool) -> bool:
@@ -262,13 +278,24 @@ class CacheMatch:
         i = s.ready_at[k]
         return Holder(s.ids[i], matched[i], False, loads[i])
 
+    def saved_tokens(self, stage: str, worker: str) -> int:
+        """Prompt tokens `worker`'s cache saves over the best of the other workers of `stage` (full or
+        not): what moving a request off it would cost in tokens to recompute."""
+        s = self.stage(stage)
+        others = [m for w, m in zip(s.ids, self._matched_of(stage)) if w != worker]
+        runner_up = max(others, default=0)
+        return max(0, self._cached(self.matched.get(worker, 0)) - self._cached(runner_up))
+
+    def _cached(self, blocks: int) -> int:
+        """Prompt tokens `blocks` leading cached blocks spare (vLLM computes the prompt's last token)."""
+        return max(0, min(blocks * self.block_size, self.prompt_tokens - 1))
+
     def uncached_tokens(self, worker: str | None) -> int:
         """Prompt tokens `worker` would compute (None: a worker not known in advance, so all of them).
         vLLM computes at least the prompt's last token, even when every block is cached."""
         if worker is None:
             return self.prompt_tokens
-        cached = min(self.matched.get(worker, 0) * self.block_size, self.prompt_tokens - 1)
-        return self.prompt_tokens - max(0, cached)
+        return self.prompt_tokens - self._cached(self.matched.get(worker, 0))
 
     def best_uncached(self, stage: str) -> int:
         """Prompt tokens left to compute on the best-placed worker of `stage` that is not full (the
@@ -276,7 +303,7 @@ class CacheMatch:
         best = max(compress(self._matched_of(stage), self.stage(stage).ready), default=None)
         if best is None:
             return self.prompt_tokens
-        return self.prompt_tokens - max(0, min(best * self.block_size, self.prompt_tokens - 1))
+        return self.prompt_tokens - self._cached(best)
 
 
 class PlacedInFlight:
@@ -314,17 +341,21 @@ class Choice:
 
 
 def choose(policy: AffinityPolicy, match: CacheMatch | None, stage: str, request_id: str, now_ms: int,
-           deadline_ms: int, in_flight: PlacedInFlight | None = None) -> Choice | None:
+           deadline_ms: int, in_flight: PlacedInFlight | None = None, stage_rate: float | None = None) -> Choice | None:
     """The worker of `stage` to place a request for, with its bound; None: the shared queue (with fewer
     than two workers of the stage the shared queue reaches the same engine anyway). A placement is
-    counted in `in_flight` (the caller says `done` when the request ends or is refused)."""
+    counted in `in_flight` (the caller says `done` when the request ends or is refused).
+    `stage_rate`: the stage's measured prefill tokens/s (admission's `pool_rate`), for what moving
+    the request would cost (`move_ms`); None: only the slack share bounds the wait."""
     if match is None or not policy.enabled:
         return None
-    if len(match.stage(stage).ids) < 2:
+    workers = len(match.stage(stage).ids)
+    if workers < 2:
         return None
     best = match.place(policy, stage, in_flight.count if in_flight else None)
     if best is None:
         return None
     if in_flight is not None:
         in_flight.add(request_id, best.worker)
-    return Choice(best.worker, wait_bound_ms(policy, now_ms, deadline_ms), best.matched_blocks)
+    moving = move_ms(match.saved_tokens(stage, best.worker), stage_rate, workers)
+    return Choice(best.worker, wait_bound_ms(policy, now_ms, deadline_ms, moving), best.matched_blocks)

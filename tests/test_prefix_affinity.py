@@ -19,8 +19,10 @@ from skyline.scheduler.prefix import (
     PlacedInFlight,
     block_chain,
     chain_from,
+    choose,
     matched_blocks,
     may_claim,
+    move_ms,
     overloaded,
     place,
     wait_bound_ms,
@@ -138,6 +140,41 @@ def test_the_wait_is_a_share_of_the_slack_and_never_past_it():
     assert wait_bound_ms(policy, 1_000, 2_000) == 1_500  # half of 1 s of slack
     assert wait_bound_ms(policy, 1_000, 60_000) == 3_000  # capped
     assert wait_bound_ms(policy, 5_000, 4_000) == 5_000  # late already: nobody waits
+
+
+def test_a_move_that_costs_more_than_the_share_waits_longer_but_never_past_the_slack():
+    policy = AffinityPolicy(slack_share=0.5, max_wait_ms=2_000)
+    assert wait_bound_ms(policy, 1_000, 2_000, move_ms=0.0) == 1_500  # nothing to lose by moving: the share
+    assert wait_bound_ms(policy, 1_000, 2_000, move_ms=300.0) == 1_500  # moving is cheap: the share still
+    assert wait_bound_ms(policy, 1_000, 2_000, move_ms=800.0) == 1_800  # waiting 800 ms is no worse than moving
+    assert wait_bound_ms(policy, 1_000, 2_000, move_ms=9_000.0) == 2_000  # never past the slack
+    assert wait_bound_ms(policy, 1_000, 60_000, move_ms=9_000.0) == 3_000  # nor past max_wait_ms
+    assert wait_bound_ms(policy, 5_000, 4_000, move_ms=9_000.0) == 5_000  # late already: nobody waits
+
+
+def test_a_move_costs_the_tokens_only_the_holder_has_at_one_workers_rate():
+    assert move_ms(1_000, 2_000.0, 2) == 1_000.0  # two workers at 2,000 tok/s together: 1,000 each
+    assert move_ms(1_000, None, 2) == 0.0  # no rate measured yet: the share alone bounds the wait
+    assert move_ms(0, 2_000.0, 2) == 0.0
+
+
+def test_the_bound_of_a_placement_counts_what_the_next_best_worker_holds():
+    from types import SimpleNamespace
+
+    workers = tuple(SimpleNamespace(worker_id=w, role="decode", running=0, max_running=8, kv_usage=0.1,
+                                    kv_watermark=0.0) for w in ("w1", "w2"))
+    policy = AffinityPolicy(slack_share=0.5, max_wait_ms=10_000)
+    # 1,000 tokens; w1 holds 50 blocks of 16 (800 tokens), w2 the 10-block system prompt (160).
+    match = CacheMatch(1_000, 16, {"w1": 50, "w2": 10}, workers)
+    assert match.saved_tokens("decode", "w1") == 640 and match.saved_tokens("decode", "w2") == 0
+    # 640 tokens at 1,000 tok/s (2,000 for the pair): 640 ms, more than half of 1 s of slack.
+    c = choose(policy, match, "decode", "r1", 0, 1_000, stage_rate=2_000.0)
+    assert c is not None and c.worker == "w1" and c.until_ms == 640
+    assert choose(policy, match, "decode", "r2", 0, 1_000).until_ms == 500  # no rate: the share
+    assert choose(policy, match, "decode", "r3", 0, 1_000, stage_rate=200.0).until_ms == 1_000  # the slack
+    # Every block cached: the last token is computed anyway, so 999 tokens at most are saved.
+    full = CacheMatch(1_000, 8, {"w1": 125}, workers)
+    assert full.saved_tokens("decode", "w1") == 999
 
 
 def test_others_may_claim_once_the_bound_passes_or_the_holder_is_gone():

@@ -230,7 +230,7 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
     def finish(h, now):
         rid = _rid(h.req)
         # PrefillHandler: the prompt's busy time into the meter, and the request is done here.
-        twin.rt.meter.record(twin.claimed_ms[rid], int(now * 1000), h.req.prompt_tokens)
+        twin.rt.meter.record(twin.claimed_ms[rid], int(now * 1000), h.req.prompt_tokens - h.req.cached_tokens)
         twin.release(rid)
         real_finish(h, now)
         assert twin.rt.tokens_per_s() == measured_rate(w), (list(twin.rt.meter._samples), list(w.meter._samples))
@@ -599,7 +599,7 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
 
     real_choose = sim_fleet.choose
 
-    def choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight=None):
+    def choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight=None, stage_rate=None):
         req = next(r for r in pending if f"r{r.index}" == request_id)
         workers = [WorkerInfo(b.worker_id, b.role, "sim", "m", "h", 0, b.running, 0, b.kv_usage, 0.0, 0.0,
                               max_running=b.max_running, cache_block_size=16,
@@ -612,8 +612,8 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
         gen = messages.GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1] * req.prompt_tokens,
                                        sampling=messages.SamplingSpec(max_tokens=req.max_tokens), tier=req.tier,
                                        arrival_ms=now_ms, deadline_ms=deadline_ms, ttft_ms=0, tpot_ms=0)
-        live = live_affinity.placement(policy, live_match, stage, gen, live_placed)
-        got = real_choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight)
+        live = live_affinity.placement(policy, live_match, stage, gen, live_placed, stage_rate)
+        got = real_choose(policy, match, stage, request_id, now_ms, deadline_ms, in_flight, stage_rate)
         assert (got and (got.worker, got.until_ms, got.matched_blocks)) == \
             (live and (live.worker, live.until_ms, live.matched_blocks)), f"placements differ for {request_id}"
         assert dict(match.matched) == {w: n for w, n in live_match.matched.items() if n}  # (0: not listed)

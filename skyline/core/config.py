@@ -236,8 +236,10 @@ class GatewayConfig:
     max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
     # Prefix affinity (scheduler/prefix.py, docs/scheduling.md): a request goes to the worker whose
     # engine holds the longest leading run of its prompt's blocks, which alone may claim it for
-    # `affinity_slack_share` of its slack to the TTFT deadline (at most `affinity_max_wait_ms`);
-    # after that, or once that worker is gone, any worker may. Only with two or more live workers
+    # `affinity_slack_share` of its slack to the TTFT deadline, or longer where moving it would cost
+    # more (another worker recomputing what only that one holds, at the measured prefill rate), never
+    # past the slack, at most `affinity_max_wait_ms`; after that, or once that worker is gone, any
+    # worker may. Only with two or more live workers
     # of the stage reporting cache events. The route and admission count what the caches leave to
     # compute (a turn whose history the decode worker holds skips the prefill pool). Off: the
     # gateway does not read the cache view at all, and counts every prompt whole.

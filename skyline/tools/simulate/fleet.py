@@ -207,7 +207,7 @@ class Simulation:
             q, ready = self.decode_q, self.decode_ready
         if match is not None:  # dispatch.py `_placed`: the worker to wait for, and what it has left to compute
             placed = choose(self.affinity, match, stage, f"r{req.index}", int(now * 1000), int(req.deadline * 1000),
-                            self.placed) if self.affinity is not None else None
+                            self.placed, self.seen_rate[stage]) if self.affinity is not None else None
             if placed is not None:
                 req.placed_for, req.until_ms = placed.worker, placed.until_ms
             holders = self._beats[stage]
