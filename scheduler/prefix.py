@@ -153,8 +153,8 @@ def cheapest(policy: AffinityPolicy, costs: Sequence[float]) -> int | None:
 def wait_bound_ms(policy: AffinityPolicy, now_ms: int, deadline_ms: int, move_ms: float = 0.0) -> int:
     """Until when (Unix ms) only the holder may claim a request placed now: a share of its slack, or
     `move_ms` (what moving it costs: another worker recomputing what the holder has cached) where
-    that is longer, since waiting that long for the holder ends no later than moving at once would
-    (ski rental: never worse than twice the better of the two). Never past the slack: a request
+    that is longer: a holder free within that time serves it no later than moving it at once would,
+    and one still busy costs at most twice that (ski rental). Never past the slack: a request
     that would miss its deadline waiting is free to go anywhere by then."""
     slack = max(0, deadline_ms - now_ms)
     wait = max(policy.slack_share * slack, min(move_ms, slack))
