@@ -144,6 +144,30 @@ def test_throughput_meter_forgets_old_work():
     assert m.tokens_per_s(5000) is None
 
 
+def test_throughput_meter_keeps_its_answer_only_while_it_holds():
+    """A kept answer is the one measured afresh at every read: random samples, windows and read
+    times, reads repeated, a sample expiring between two reads, and time going back."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        window = rng.choice([50, 500, 30_000])
+        kept, fresh_samples = ThroughputMeter(window_ms=window, max_samples=rng.choice([4, 256])), []
+        now = 0
+        for _ in range(60):
+            now += rng.choice([0, 0, 1, 7, 40, 300, 2_000]) if rng.random() > 0.05 else -rng.randint(1, 100)
+            if rng.random() < 0.3:
+                start = now - rng.randint(0, 400)
+                end = start + rng.randint(0, 400)
+                tokens = rng.randint(0, 2_000)
+                kept.record(start, end, tokens)
+                fresh_samples.append((start, end, tokens))
+            fresh = ThroughputMeter(window_ms=window, max_samples=kept.max_samples)
+            for sample in fresh_samples:
+                fresh.record(*sample)
+            assert kept.tokens_per_s(now) == fresh.tokens_per_s(now), (now, fresh_samples)
+
+
 def test_calibration_scales_predictions_by_their_measured_error():
     cal = TtftCalibration()
     assert cal.scale(("decode", "interactive")) == 1.0  # nothing measured: the model as is
