@@ -19,15 +19,15 @@ already has, each worth `load_blocks`), when that worker is not overloaded and
 is cheaper than every other by `min_blocks`; otherwise to the shared queue,
 where the first worker with room takes it, as without affinity.
 
-The wait (`wait_bound_ms`, `may_claim`). A placed request waits for its holder
-at most `slack_share` of its slack to the TTFT deadline, or, when moving it would
-cost more than that (the time another worker takes to recompute what only the
-holder has cached: a long conversation's history), up to that time, but never
-past its slack, and never more than `max_wait_ms`; past that bound, or once the
-holder is gone, any worker may claim it. A request never waits past its slack for affinity, and no worker
-idles while work it could take is past that bound; EDF across tiers is
-unchanged, because a worker still claims the earliest deadline among the heads
-it may claim.
+The wait (`wait_bound_ms`, `move_ms`, `may_claim`). A placed request waits for
+its holder at most `slack_share` of its slack to the TTFT deadline, or, when
+moving it would cost more than that (the time another worker takes to recompute
+what only the holder has cached: a long conversation's history), up to that
+time, but never past its slack, and never more than `max_wait_ms`; past that
+bound, or once the holder is gone, any worker may claim it. A request never
+waits past its slack for affinity, and no worker idles while work it could take
+is past that bound; EDF across tiers is unchanged, because a worker still claims
+the earliest deadline among the heads it may claim.
 
 The gateway's decision (`CacheMatch`, `choose`, `PlacedInFlight`). What the
 live gateway (gateway/affinity.py, which reads the cache view in Redis) and

@@ -239,10 +239,10 @@ class GatewayConfig:
     # `affinity_slack_share` of its slack to the TTFT deadline, or longer where moving it would cost
     # more (another worker recomputing what only that one holds, at the measured prefill rate), never
     # past the slack, at most `affinity_max_wait_ms`; after that, or once that worker is gone, any
-    # worker may. Only with two or more live workers
-    # of the stage reporting cache events. The route and admission count what the caches leave to
-    # compute (a turn whose history the decode worker holds skips the prefill pool). Off: the
-    # gateway does not read the cache view at all, and counts every prompt whole.
+    # worker may. Only with two or more live workers of the stage reporting cache events. The route
+    # and admission count what the caches leave to compute (a turn whose history the decode worker
+    # holds skips the prefill pool). Off: the gateway does not read the cache view at all, and
+    # counts every prompt whole.
     prefix_affinity: bool = True
     affinity_min_blocks: int = 1  # placed only where that saves this many blocks over the next best worker
     affinity_load_blocks: float = 1.0  # a request a worker holds or has waiting costs this many blocks of prompt
