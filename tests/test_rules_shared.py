@@ -230,7 +230,7 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
     def finish(h, now):
         rid = _rid(h.req)
         # PrefillHandler: the prompt's busy time into the meter, and the request is done here.
-        twin.rt.meter.record(twin.claimed_ms[rid], int(now * 1000), h.req.prompt_tokens - h.req.cached_tokens)
+        twin.rt.meter.record(twin.claimed_ms[rid], int(now * 1000), h.req.prompt_tokens)
         twin.release(rid)
         real_finish(h, now)
         assert twin.rt.tokens_per_s() == measured_rate(w), (list(twin.rt.meter._samples), list(w.meter._samples))

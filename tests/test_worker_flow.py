@@ -244,28 +244,3 @@ def test_a_worker_whose_stop_hangs_ends_itself_and_logs_where():
     assert "did not stop within 0 s of the signal" in done.stderr
     assert "hangs_forever" in done.stderr  # the task's stack: where it hung
     assert "stop-watchdog" in done.stderr or "Thread 0x" in done.stderr  # the threads' stacks
-
-
-async def test_the_measured_prefill_rate_counts_only_the_tokens_an_engine_computed(redis_url, key_prefix):
-    """Cached prompt tokens are not work: metered, a worker serving conversations from its prefix
-    cache would report many times the rate it computes at, while admission control and the affinity
-    bound count the tokens left to compute. Both workers meter what their engines computed."""
-    from skyline.workers.engines.sim import SIM_BLOCK_SIZE
-
-    cached = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0001, decode_base_s=0.001, decode_per_seq_s=0.0,
-                       prefix_cache_blocks=64)
-    cfg, client, runtimes, tasks = await start_fleet(redis_url, key_prefix, cached, "meter")
-    prefill_rt, decode_rt = runtimes
-    try:
-        keys = Keys(cfg.key_prefix)
-        prompt = list(range(1, 8 * SIM_BLOCK_SIZE + 5))
-        for route, rt in (("colocated", decode_rt), ("disagg", prefill_rt)):
-            for i in range(2):  # the second time, the engine holds the prompt's 8 full blocks
-                frames = await run_request(client, keys, gen_request(f"r-{route}-{i}", prompt, 2, route))
-                assert isinstance(frames[-1], m.Finished), frames[-1]
-            async with asyncio.timeout(5):
-                while len(rt.meter._samples) < 2:  # (the decode worker meters after the first frame)
-                    await asyncio.sleep(0.01)
-            assert [s[2] for s in rt.meter._samples] == [len(prompt), len(prompt) - 8 * SIM_BLOCK_SIZE], route
-    finally:
-        await stop_fleet(client, runtimes, tasks)

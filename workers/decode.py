@@ -132,7 +132,6 @@ class DecodeHandler:
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
         finish_reason = "length" if ereq.sampling.max_tokens <= 0 else "abort"
         prefilled_here = False  # the prompt was computed on this engine: measured and released after the first frame
-        cached = 0  # of the prompt, tokens the engine's prefix cache held: not computed, so not metered
         last: GenerationChunk | None = None  # the engine's last chunk, sent together with the final frame
         kv_transfer: dict = {}
         # Prompt logprobs come from where the prompt was computed: the prefill engine's, handed off.
@@ -158,11 +157,9 @@ class DecodeHandler:
                     elif chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs:
                         await stream.delta(chunk, prompt_logprobs)
                         prompt_logprobs = None
-                    if chunk.cached_tokens is not None:
-                        cached = chunk.cached_tokens
                     if prefilled_here and last is None:  # after the first token is on its way
                         prefilled_here = False
-                        await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids) - cached)
+                        await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
                     if chunk.finish_reason:
                         finish_reason = chunk.finish_reason
                     if chunk.done:
@@ -204,7 +201,7 @@ class DecodeHandler:
         else:
             await stream.send(final, [], final=True)
         if prefilled_here:
-            await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids) - cached)
+            await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
         await self.rt.ack(claimed)
 
     async def _chunks(self, ereq: EngineRequest, req: messages.GenerateRequest,
@@ -249,10 +246,7 @@ class DecodeHandler:
         """This worker computed the prompt itself (colocated route, or a local
         re-prefill): measure its prefill rate, which admission control uses for
         colocated routes, and take the prompt off the prefill backlog now rather
-        than when the whole answer is done (it is no longer work ahead of anyone).
-        `tokens`: those it computed (its prefix cache's are not work: counted, a
-        fleet serving conversations from cache would measure many times its rate,
-        the unit admission and the affinity bound count uncached tokens in)."""
+        than when the whole answer is done (it is no longer work ahead of anyone)."""
         self.rt.meter.record(started_ms, first_token_ms, tokens)
         await ride_out(lambda: self.rt.queues.release_prefill(claimed), self.grace_s, "releasing a prefill")
 

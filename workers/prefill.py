@@ -41,7 +41,7 @@ class PrefillHandler:
         self.rt.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
         result = await self.rt.engine.prefill(engine_request(req))
         self.rt.prompt_computed(req.request_id)  # no longer one to preempt: only the hand-off is left
-        self.rt.meter.record(started, now_ms(), result.prompt_tokens - (result.cached_tokens or 0))  # computed ones
+        self.rt.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,

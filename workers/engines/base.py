@@ -49,9 +49,6 @@ class GenerationChunk:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # with the request's first chunk, when asked for
-    # Leading prompt tokens the engine's prefix cache (or a KV pull) supplied, known from the first
-    # chunk on (None: unknown): the worker meters the prompt tokens it computed, not the cached ones.
-    cached_tokens: int | None = None
     done: bool = False
     # Set on the last chunk: evidence of where the prompt's KV came from, e.g.
     # {"remote_prefill": True, "num_cached_tokens": 12}. Shown to clients in

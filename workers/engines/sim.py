@@ -179,8 +179,7 @@ class SimEngine(Engine):
                 text = bytes(tokens).decode("utf-8", "replace")
                 # n choices: the same deterministic text each (one sequence's timing; see the module doc).
                 for i in range(n):
-                    chunk = GenerationChunk(token_ids=list(tokens), text=text, choice=i, finish_reason=finish,
-                                            cached_tokens=len(req.prompt_token_ids) if seq.remote_kv else seq.cached)
+                    chunk = GenerationChunk(token_ids=list(tokens), text=text, choice=i, finish_reason=finish)
                     if finish and i == n - 1:
                         chunk.done = True
                         chunk.kv_transfer = {

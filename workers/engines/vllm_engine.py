@@ -353,7 +353,7 @@ class VllmEngine(Engine):
                     token_ids=list(comp.token_ids), text=comp.text, choice=comp.index, finish_reason=comp.finish_reason,
                     logprobs=logprobs.to_wire(comp.logprobs) if comp.logprobs else None,
                     cumulative_logprob=comp.cumulative_logprob, stop_reason=comp.stop_reason,
-                    prompt_logprobs=prompt_lps if i == 0 else None, cached_tokens=out.num_cached_tokens)
+                    prompt_logprobs=prompt_lps if i == 0 else None)
                 if out.finished and i == last:
                     chunk.done = True
                     chunk.finish_reason = chunk.finish_reason or "stop"

@@ -398,7 +398,7 @@ class DecodeWorker:
                 req.prefill_end = now
                 # Live (workers/decode.py, at the first token): meter the prompt, and take a
                 # colocated prompt off the backlog: it is no longer work ahead of anyone.
-                self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens - req.cached_tokens)
+                self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
                 if req.route == "colocated":
                     self.sim.decode_q.release(req.tier, req.backlog_tokens)
                 if self.cache is not None and req.chain is not None:

@@ -154,7 +154,7 @@ class PrefillWorker:
         self.held.remove(h)
         self.tokens_held -= req.prompt_tokens
         req.prefill_end = now
-        self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens - req.cached_tokens)  # computed
+        self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
         sim = self.sim
         sim.prefill_q.backlog[req.tier] -= req.backlog_tokens  # ack: off the backlog (q.release, inlined)
         if self.cache is not None and req.chain is not None:
