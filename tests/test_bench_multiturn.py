@@ -181,6 +181,18 @@ def test_every_system_is_listed_and_the_disagg_ones_stay_one_prefill_one_decode(
                    "sim-disagg-no-affinity": ("disagg", 1, False, "sim")}
 
 
+def test_a_block_size_reaches_every_vllm_engine_and_the_oracle_but_not_the_sim():
+    from skyline.tools.bench.run import Bench
+    from skyline.tools.bench.systems import cache_block_size
+
+    specs = {s.name: s for s in Bench._systems("vllm-rr,skyline-affinity,sim-affinity", 2, 32)}
+    assert {n: s.block_size for n, s in specs.items()} == {"vllm-rr": 32, "skyline-affinity": 32, "sim-affinity": 0}
+    assert [cache_block_size(specs[n]) for n in ("vllm-rr", "skyline-affinity", "sim-affinity")] == [32, 32, 16]
+    assert cache_block_size(Bench._systems("vllm-rr", 2)[0]) == 128  # vLLM's own on CPU
+    with pytest.raises(SystemExit, match="--block-size"):
+        Bench._systems("vllm-rr", 2, -16)
+
+
 def test_the_affinity_off_config_keeps_every_other_setting(tmp_path):
     base = ROOT / "deploy" / "skyline.toml"
     path = with_changes(str(base), {"gateway": {"prefix_affinity": False}}, tmp_path / "off.toml")

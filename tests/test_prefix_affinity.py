@@ -243,6 +243,31 @@ def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis
         assert time.monotonic() - t0 < bound_s + 3, time.monotonic() - t0  # the bound, and a claim loop's turn
 
 
+def test_the_gateway_bounds_a_placement_by_what_moving_it_would_cost_at_the_measured_rate(
+        redis_url, key_prefix, tmp_path):
+    """The live gateway passes the pool's measured prefill rate to the placement rule: with a share of
+    the slack too small to matter, a turn whose history only its holder has waits about as long as
+    the other worker would take to recompute that history (and never past its slack)."""
+    (tmp_path / "cfg.toml").write_text(
+        '[gateway]\nmode = "colocated"\naffinity_slack_share = 0.01\naffinity_max_wait_ms = 60000\n'
+        '[engine]\nsim_prefill_per_token_s = 0.002\n')  # ~500 prompt tokens/s per worker
+    fleet = Fleet(redis_url, key_prefix, "sim", tmp_path, extra=["--config", str(tmp_path / "cfg.toml")])
+    with fleet.running({"decode-1": ("decode",), "decode-2": ("decode",)}, timeout_s=60):
+        client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
+        history, first = _turns(client, "A conversation about tides and the moon that pulls them. " * 6,
+                                "\nUser: why two a day?\nAssistant:", max_tokens=8)
+        time.sleep(2.5)  # a heartbeat carries the holder's measured rate (every second)
+        sent_ms = time.time() * 1000
+        _, ext = _turns(client, history, "\nUser: and spring tides?\nAssistant:", max_tokens=8)
+        placed = ext["placement"]
+        assert placed and placed["worker"] == first["decode_worker"], ext
+        waited_ms = placed["until_ms"] - sent_ms
+        slack_ms = ext["slo_target"]["ttft_ms"]
+        # The history (~350 tokens, held by one worker only) at ~500 tok/s: ~0.7 s; the share of the
+        # slack alone (what the bound is without a rate) is 1% of it, under 0.1 s.
+        assert 0.3 * 1000 <= waited_ms <= slack_ms + 100, (waited_ms, slack_ms, placed)
+
+
 def test_a_turn_whose_decode_worker_holds_its_history_skips_the_prefill_pool(redis_url, key_prefix, tmp_path):
     """Conditional disaggregation counts the tokens left to compute: the next turn of a conversation,
     whose history the decode engine holds (it pulled the first turn's KV), is computed there; a new

@@ -106,3 +106,15 @@ def test_vllm_classes_still_look_as_the_patches_assume():
     assert all(name in init for name in ("self.is_reader", "self.last_read", "self.busy_loop_s"))
     assert "sched_yield()" in wait and "busy_loop_s" in wait
     assert "sched_setaffinity(0" in inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+
+
+def test_the_configured_kv_block_reaches_vllms_engine_args():
+    """`[engine] kv_block_size` is vLLM's `block_size` (the prefix cache's unit); 0 leaves vLLM's default."""
+    from skyline.core.config import EngineConfig
+    from skyline.tools.model import resolve_model
+    from skyline.workers.main import build_engine
+
+    model = resolve_model("default")
+    args = build_engine(EngineConfig(kind="vllm", kv_block_size=32), model)._engine_args()  # type: ignore[attr-defined]
+    assert args.block_size == 32
+    assert build_engine(EngineConfig(kind="vllm"), model)._engine_args().block_size is None  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
             gpu_memory_utilization=ec.gpu_memory_utilization,
             cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or free_port(), kv_lease_s=ec.kv_lease_s,
             engine_nice=ec.engine_nice, kv_transfer=ec.kv_transfer, max_num_batched_tokens=ec.max_num_batched_tokens or None,
+            block_size=ec.kv_block_size or None,
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
             hold_background_steps=ec.hold_background_steps,
             urgent_priority=urgent_priority, cache_events=ec.prefix_cache_events,

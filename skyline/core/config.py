@@ -54,6 +54,11 @@ class EngineConfig:
     # long prompt can hold the engine once a more urgent request arrives: an abort
     # or a priority change takes effect at the next step. 0 = vLLM's default.
     max_num_batched_tokens: int = 256
+    # Tokens per KV block (vLLM block_size): the unit of the prefix cache and of Skyline's block-hash
+    # chain. A prompt is found cached in whole blocks only, so a conversation's next turn recomputes
+    # the tail of its history past the last full block (half a block on average) with its new
+    # message. 0 = vLLM's default (128 on CPU, 16 on GPUs); vLLM's CPU kernels want multiples of 32.
+    kv_block_size: int = 0
     # Per-request cap on a step's prompt tokens while the engine holds more than one
     # request, decodes included (vLLM long_prefill_token_threshold; lifted only for a
     # request alone). vLLM schedules running requests before waiting ones, so without the

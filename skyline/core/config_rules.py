@@ -86,6 +86,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("redis", "outage_grace_s"): _AT_LEAST_0,
     ("engine", "max_model_len"): _AT_LEAST_1,
     ("engine", "max_num_batched_tokens"): _AT_LEAST_0,
+    ("engine", "kv_block_size"): _AT_LEAST_0,
     ("engine", "long_prefill_token_threshold"): (-1, None, True),
     ("engine", "background_step_tokens"): (-1, None, True),
     ("engine", "hold_background_steps"): _AT_LEAST_0,

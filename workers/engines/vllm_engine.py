@@ -81,6 +81,7 @@ class VllmEngine(Engine):
         scheduling_policy: str = "priority",
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
+        block_size: int | None = None,
         long_prefill_token_threshold: int = 0,
         background_step_tokens: int = 0,
         hold_background_steps: int = 0,
@@ -104,6 +105,7 @@ class VllmEngine(Engine):
         self.scheduling_policy = scheduling_policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size  # None: vLLM's default for the platform
         self.long_prefill_token_threshold = long_prefill_token_threshold
         # Steps shaped by tier (vllm_scheduler.py): short while only looser-tier prompts compute, and
         # those held back while strictest-tier prompts compute. Both 0 = vLLM's own scheduler.
@@ -198,6 +200,8 @@ class VllmEngine(Engine):
             kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
         if self.long_prefill_token_threshold > 0:
             kwargs["long_prefill_token_threshold"] = self.long_prefill_token_threshold
         if (self.background_step_tokens > 0 or self.hold_background_steps > 0) and self.scheduling_policy == "priority":

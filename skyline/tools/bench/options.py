@@ -41,6 +41,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2,
                    help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, and their "
                         "sim- twins), one core each; default 2 (the disagg systems are always 1 prefill + 1 decode)")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="KV block (tokens) of every vLLM engine, the baselines' and Skyline's alike: the prefix "
+                        "cache's unit; default 0 = vLLM's (128 on CPU)")
     p.add_argument("--turns", default="3-5", help="multiturn: turns per conversation LO-HI (default 3-5)")
     p.add_argument("--think-s", type=float, default=1.5,
                    help="multiturn: mean think time (s, exponential) between an answer and the next turn; default 1.5")

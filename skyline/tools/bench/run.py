@@ -86,7 +86,7 @@ class Bench:
             self.systems = [SystemSpec("endpoint", "endpoint", args.endpoint_flavor)]
         else:
             self.systems = self._systems(args.systems or DEFAULT_SYSTEMS[self.workload_kind],
-                                         getattr(args, "engines", None))
+                                         getattr(args, "engines", None), getattr(args, "block_size", 0))
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out = Path(args.out or f"bench-results/{stamp}")
         self.targets: SloTargets | None = None
@@ -96,16 +96,20 @@ class Bench:
         self.engine_profile: dict | None = None  # --profile-engine: the profile taken after the systems ran
 
     @staticmethod
-    def _systems(names_csv: str, engines: int | None) -> list[SystemSpec]:
-        """The named systems; `engines` (--engines) sets the engine count of the N-engine ones."""
+    def _systems(names_csv: str, engines: int | None, block_size: int = 0) -> list[SystemSpec]:
+        """The named systems; `engines` (--engines) sets the engine count of the N-engine ones,
+        `block_size` (--block-size) the KV block of every vLLM engine (0: vLLM's default)."""
         names = [s.strip() for s in names_csv.split(",") if s.strip()]
         unknown = [n for n in names if n not in SYSTEMS]
         if unknown:
             raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
         if engines is not None and engines < 1:
             raise SystemExit(f"--engines must be at least 1, got {engines}")
-        return [replace(SYSTEMS[n], engines=engines) if engines and SYSTEMS[n].engines > 1 else SYSTEMS[n]
-                for n in names]
+        if block_size < 0:
+            raise SystemExit(f"--block-size must be 0 (vLLM's default) or positive, got {block_size}")
+        specs = [replace(SYSTEMS[n], engines=engines) if engines and SYSTEMS[n].engines > 1 else SYSTEMS[n]
+                 for n in names]
+        return [replace(s, block_size=block_size) if s.engine == "vllm" else s for s in specs]
 
     # -- workload -------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class SystemSpec:
     # 1 = the classic systems: one engine on every core (a disagg fleet: 1 prefill + 1 decode).
     engines: int = 1
     affinity: bool = True  # skyline fleets: [gateway] prefix_affinity
+    block_size: int = 0  # vLLM engines' KV block (--block-size, Skyline's [engine] kv_block_size); 0 = vLLM's default
 
 
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
@@ -93,7 +94,7 @@ def cache_block_size(spec: SystemSpec, tokenizer: str = "default") -> int:
     from skyline.workers.engines.sim import SIM_BLOCK_SIZE
 
     sim = spec.engine == "sim" or (spec.kind == "endpoint" and tokenizer == "bytes")
-    return SIM_BLOCK_SIZE if sim else VLLM_CPU_BLOCK_SIZE
+    return SIM_BLOCK_SIZE if sim else spec.block_size or VLLM_CPU_BLOCK_SIZE
 
 
 def engine_cores() -> str:
@@ -221,6 +222,8 @@ def _spawn_vllm(run: Running, name: str, cores: str, log_dir: Path) -> str:
             "--enforce-eager", "--scheduling-policy", run.spec.scheduling,
             # usage.prompt_tokens_details.cached_tokens: the prefix-cache hits the report counts.
             "--enable-prompt-tokens-details"]
+    if run.spec.block_size:
+        argv += ["--block-size", str(run.spec.block_size)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
            # The CPU fix Skyline's own engines get (vllm_plugin.py: queue readers that sleep instead of
            # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
@@ -238,9 +241,14 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     rport, gport = free_port(), free_port()
     run.redis = start_redis(rport, Path(run.tmp.name) / "redis")
     run.redis_url = f"redis://127.0.0.1:{rport}/0"
-    if not spec.affinity:  # the user's config (or the defaults), affinity off: one file every process reads
-        run.config = with_changes(run.config, {"gateway": {"prefix_affinity": False}},
-                                  Path(run.tmp.name) / "skyline.toml")
+    # The user's config (or the defaults) with the system's own settings: one file every process reads.
+    changes: dict = {}
+    if not spec.affinity:
+        changes["gateway"] = {"prefix_affinity": False}
+    if spec.block_size and spec.engine == "vllm":
+        changes["engine"] = {"kv_block_size": spec.block_size}
+    if changes:
+        run.config = with_changes(run.config, changes, Path(run.tmp.name) / "skyline.toml")
     common = ["--redis-url", run.redis_url, "--engine", spec.engine]
     if spec.engine == "vllm":
         common += ["--model", "default"]
