@@ -18,7 +18,8 @@ hours for a batch) and the forking `Worker` heartbeats every 30 s with a
   RQ's maintenance that often, so a job abandoned by a dead runner is retried
   by a live one within about lease + interval,
 - on SIGTERM/Ctrl-C stops the running batch at once (the gateway still
-  records the requests in flight) and lets RQ re-enqueue it.
+  records the requests in flight) and lets RQ re-enqueue it,
+- and ends within STOP_GRACE_S of that signal whatever RQ's shutdown meets.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
 
 log = logging.getLogger("skyline.batch")
+
+# RQ's shutdown writes to Redis (register_death) through a client without a socket timeout: with
+# Redis stopped or gone mid-shutdown (`skyline up` killed takes Redis down with the runner) it can
+# wait for ever, and a runner left behind holds a worker name and a terminal's processes (CI saw one
+# outlive its launcher by 30 s). Past this grace the runner exits without RQ's bookkeeping; a batch
+# it was running is then abandoned and retried after its lease, as after kill -9.
+STOP_GRACE_S = 20.0
 
 
 class BatchRunnerWorker(SimpleWorker):
@@ -73,7 +81,28 @@ class BatchRunnerWorker(SimpleWorker):
 
     def request_stop(self, signum, frame) -> None:
         self.stopping.set()  # the running batch stops sending and fails on purpose: RQ re-enqueues it
+        _exit_after(STOP_GRACE_S)
         super().request_stop(signum, frame)
+
+
+_deadline: threading.Timer | None = None
+
+
+def _exit_after(grace_s: float) -> None:
+    """End the process `grace_s` from the first call, if it has not ended by then."""
+    global _deadline
+    if _deadline is None:
+        _deadline = threading.Timer(grace_s, _exit_now, args=(grace_s,))
+        _deadline.daemon = True
+        _deadline.start()
+
+
+def _exit_now(grace_s: float) -> None:
+    try:
+        log.error("batch runner: still running %.0f s after the stop signal (Redis gone?); exiting", grace_s)
+    except Exception:  # noqa: BLE001 - the log's pipe may be gone with the launcher; exit regardless
+        pass
+    os._exit(1)
 
 
 def gateway_url(cfg: SkylineConfig) -> str:
