@@ -36,7 +36,7 @@ def test_a_stopped_runner_ends_within_its_grace_when_redis_hangs(tmp_path):
         rc = runner.wait(timeout=STOP_GRACE_S + 20)
         took = time.monotonic() - t0
         assert rc == 1 and STOP_GRACE_S - 1 <= took <= STOP_GRACE_S + 10, (rc, took)
-        assert "still running" in (tmp_path / "runner.log").read_text()
+        assert "still stopping" in (tmp_path / "runner.log").read_text()
     finally:
         runner.kill()
         server.send_signal(signal.SIGCONT)

@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from redis.exceptions import RedisError
 from rq import Queue, SimpleWorker
@@ -40,12 +41,14 @@ from skyline.core.keys import Keys
 
 log = logging.getLogger("skyline.batch")
 
-# RQ's shutdown writes to Redis (register_death) through a client without a socket timeout: with
-# Redis stopped or gone mid-shutdown (`skyline up` killed takes Redis down with the runner) it can
-# wait for ever, and a runner left behind holds a worker name and a terminal's processes (CI saw one
-# outlive its launcher by 30 s). Past this grace the runner exits without RQ's bookkeeping; a batch
-# it was running is then abandoned and retried after its lease, as after kill -9.
-STOP_GRACE_S = 20.0
+# RQ stops an idle worker by raising from its signal handler, wherever the main thread is: raised
+# inside redis-py's connection-pool lock, it leaves the lock held and the shutdown that follows
+# (register_death) waits on it for ever (reproduced: 1 of ~10 launcher kills under load left the
+# runner with every thread in a futex wait; CI saw it outlive its launcher). Its shutdown also writes
+# to Redis through a client without a socket timeout, which a stopped Redis never answers. Past this
+# grace the runner exits without RQ's bookkeeping; a batch it was running is then abandoned and
+# retried after its lease, as after kill -9.
+STOP_GRACE_S = 10.0
 
 
 class BatchRunnerWorker(SimpleWorker):
@@ -80,29 +83,41 @@ class BatchRunnerWorker(SimpleWorker):
                 log.warning("batch %s: heartbeat failed: %s", job.id, exc)
 
     def request_stop(self, signum, frame) -> None:
+        _STOP_WATCH.signalled()  # first: takes no lock (the handler may have interrupted a lock's holder)
         self.stopping.set()  # the running batch stops sending and fails on purpose: RQ re-enqueues it
-        _exit_after(STOP_GRACE_S)
         super().request_stop(signum, frame)
 
 
-_deadline: threading.Timer | None = None
+class _StopWatch:
+    """Ends the process `grace_s` after the first stop signal if it has not ended by then.
+
+    Started before the worker runs and lock-free on both sides: a signal handler only stores a time,
+    and the watching thread only sleeps, reads it and exits (no logging: the logging lock may be
+    held by the main thread it is rescuing)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.since: float | None = None
+
+    def signalled(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, daemon=True, name="stop-watch").start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if self.since is not None and time.monotonic() - self.since > self.grace_s:
+                try:
+                    os.write(2, b"batch runner: still stopping %d s after the stop signal; exiting\n" % self.grace_s)
+                except OSError:  # stderr's pipe may be gone with the launcher
+                    pass
+                os._exit(1)
 
 
-def _exit_after(grace_s: float) -> None:
-    """End the process `grace_s` from the first call, if it has not ended by then."""
-    global _deadline
-    if _deadline is None:
-        _deadline = threading.Timer(grace_s, _exit_now, args=(grace_s,))
-        _deadline.daemon = True
-        _deadline.start()
-
-
-def _exit_now(grace_s: float) -> None:
-    try:
-        log.error("batch runner: still running %.0f s after the stop signal (Redis gone?); exiting", grace_s)
-    except Exception:  # noqa: BLE001 - the log's pipe may be gone with the launcher; exit regardless
-        pass
-    os._exit(1)
+_STOP_WATCH = _StopWatch(STOP_GRACE_S)
 
 
 def gateway_url(cfg: SkylineConfig) -> str:
@@ -140,4 +155,5 @@ def main(cfg: SkylineConfig, name: str | None = None, burst: bool = False) -> No
     )
     log.info("batch runner %s: queue %s, gateway %s, tier %s", worker.name, keys.batch_queue(), gateway_url(cfg),
              bc.tier)
+    _STOP_WATCH.start()
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.getLogger().level))
