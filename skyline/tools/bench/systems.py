@@ -245,7 +245,7 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     changes: dict = {}
     if not spec.affinity:
         changes["gateway"] = {"prefix_affinity": False}
-    if spec.block_size and spec.engine == "vllm":
+    if spec.block_size:  # set on vLLM-engine systems only (Bench._systems)
         changes["engine"] = {"kv_block_size": spec.block_size}
     if changes:
         run.config = with_changes(run.config, changes, Path(run.tmp.name) / "skyline.toml")
