@@ -28,7 +28,7 @@ async def start_fleet(redis_url: str, key_prefix: str, timing: SimTiming, suffix
         rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-{suffix}"))
         rt = WorkerRuntime(rcfg, SimEngine(timing), "skyline-sim")
         runtimes.append(rt)
-        tasks.append(asyncio.create_task(rt.run(handler(rt), install_signals=False)))
+        tasks.append(asyncio.create_task(rt.run(handler(rt.port), install_signals=False)))
     client = aioredis.from_url(redis_url)
     await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
     return cfg, client, runtimes, tasks

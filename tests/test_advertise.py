@@ -128,7 +128,7 @@ async def test_worker_endpoint_probes_metrics_and_advertised_address(redis_url, 
     try:
         assert await asyncio.to_thread(_get, f"{base}/health") == (200, "ok\n")
         assert (await asyncio.to_thread(_get, f"{base}/ready"))[0] == 503  # engine not started yet
-        task = asyncio.create_task(rt.run(DecodeHandler(rt), install_signals=False))
+        task = asyncio.create_task(rt.run(DecodeHandler(rt.port), install_signals=False))
         for _ in range(100):
             if (await asyncio.to_thread(_get, f"{base}/ready"))[0] == 200:
                 break

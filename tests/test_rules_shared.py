@@ -42,6 +42,7 @@ from skyline.tools.simulate.preempt import measured_rate
 from skyline.tools.simulate.request import SimRequest
 from skyline.workers import runtime as live_runtime
 from skyline.workers.decode import DecodeHandler
+from skyline.workers.held import HeldRequest
 from skyline.workers.runs import RunClaim
 from skyline.workers.runtime import WorkerRuntime
 from tests.simmodels import HandModel
@@ -103,20 +104,20 @@ class LiveTwin:
     rt: WorkerRuntime
     sim: Simulation
     q: object  # the simulated stage's queues: the live worker's streams hold the same entries
-    held: dict = field(default_factory=dict)  # request id -> (task, prompt tokens)
+    held: dict = field(default_factory=dict)  # request id -> the live worker's record of it
     claimed_ms: dict = field(default_factory=dict)
 
     def hold(self, req: SimRequest, kv: bool = False) -> None:
         gen = _generate_request(req, int(req.send_at * 1000), int(req.deadline * 1000), 0)
         msg = gen if self.rt.role == "prefill" else messages.DecodeWork(gen, kv_handle={"kv": 1} if kv else None)
-        task = _Task()
-        self.rt._hold(Claimed("stream", "0-1", req.tier, msg), task)
-        self.held[_rid(req)] = (task, req.prompt_tokens)
+        claimed = Claimed("stream", "0-1", req.tier, msg)
+        held = HeldRequest.of(claimed, self.rt.rules.first_phase(msg))
+        self.rt.hold(held, _Task())
+        self.held[_rid(req)] = held
         self.claimed_ms[_rid(req)] = int(self.sim.loop.now * 1000)
 
     def release(self, rid: str) -> None:
-        task, tokens = self.held.pop(rid)
-        self.rt._release(rid, task, tokens)  # what the request's task does as it ends
+        self.rt.held.release(self.held.pop(rid))  # what the request's task does as it ends
 
     def victims(self, req: SimRequest, claimed: bool) -> list[str]:
         """`_preempt_for`'s decision; the victims' tasks are cancelled and re-queued, and so released."""
@@ -278,7 +279,7 @@ def _decode_scenario(monkeypatch, steps: bool):
         if produced:  # a prompt computed here has its first token (DecodeHandler._prefilled_here)
             rid = _rid(req)
             twin.rt.meter.record(twin.claimed_ms[rid], int(sim.loop.now * 1000), req.prompt_tokens)
-            twin.rt.local_prefill_done(rid)
+            twin.held[rid].first_token()
         real_join(req, produced)
 
     def on_done(req):
@@ -383,10 +384,12 @@ def test_a_prompt_the_prefill_engine_has_finished_is_no_preemption_victim():
     rag = messages.GenerateRequest(request_id="rag", model="m", prompt_token_ids=[1] * 1500,
                                    sampling=messages.SamplingSpec(max_tokens=4), tier="batch", arrival_ms=now,
                                    deadline_ms=now + 600_000, ttft_ms=0, tpot_ms=0)
-    rt._hold(Claimed("stream", "0-1", "batch", rag), _Task())
+    claimed = Claimed("stream", "0-1", "batch", rag)
+    held = HeldRequest.of(claimed, rt.rules.first_phase(rag))
+    rt.hold(held, _Task())
     # The chat is queued behind it (the worker full): computing, the RAG prompt is in its way.
     assert rt.victims_for("interactive", now + 50, 30, claimed=False) == ["rag"]
-    rt.prompt_computed("rag")
+    held.prompt_computed()
     assert rt.victims_for("interactive", now + 50, 30, claimed=False) == [] and list(rt.computing_ranks()) == []
 
 
@@ -546,7 +549,7 @@ async def test_a_kv_handle_expires_as_the_live_decode_worker_sees_it(monkeypatch
     lease = cfg.engine.kv_lease_s
     sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 1_000.0), HandModel("d", 1_000.0))
     twin = _live(cfg, sim, sim.decode_q, monkeypatch)
-    handler = DecodeHandler(twin.rt)
+    handler = DecodeHandler(twin.rt.port)
     monkeypatch.setattr("skyline.workers.decode.now_ms", lambda: int(sim.loop.now * 1000))
     w = sim.decode_workers[0]
     sim.loop.now = 1_000.0

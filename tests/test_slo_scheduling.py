@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 from skyline.workers.engines.sim import SimTiming
+from skyline.workers.held import Phase
 
 from skyline.core import messages as m
 from skyline.core.keys import Keys
@@ -119,7 +120,7 @@ async def test_colocated_decode_worker_preempts_its_own_long_prompts(redis_url, 
         for r in rag:
             await enqueue(client, keys, "decode", m.DecodeWork(r), 1000)
         await asyncio.sleep(0.3)  # the decode worker is now computing RAG prompts
-        assert decode_rt.local_prefills, "the decode worker should be prefilling RAG prompts itself"
+        assert decode_rt.held.computing_tokens(), "the decode worker should be prefilling RAG prompts itself"
         chat = make_request(cfg, "chat", "interactive", 30)
         w_chat = await watch(client, keys, "chat")
         await enqueue(client, keys, "decode", m.DecodeWork(chat), 1000)
@@ -133,7 +134,7 @@ async def test_colocated_decode_worker_preempts_its_own_long_prompts(redis_url, 
             if decode_rt.counters["completed"] == rag_prompts + 1:
                 break
             await asyncio.sleep(0.05)
-        assert decode_rt.counters["completed"] == rag_prompts + 1 and not decode_rt.local_prefills
+        assert decode_rt.counters["completed"] == rag_prompts + 1 and not decode_rt.held.computing_tokens()
     finally:
         await stop_fleet(client, runtimes, tasks)
 
@@ -166,10 +167,10 @@ async def test_a_preempted_prompt_claimed_again_can_be_preempted_again(redis_url
             await enqueue(client, keys, "decode", m.DecodeWork(chat), 1000)
             for _ in range(100):  # the RAG prompt is preempted, requeued and back in this worker's engine
                 await asyncio.sleep(0.02)
-                if decode_rt.counters["preempted"] == len(chats) and "rag" in decode_rt.local_prefills:
+                if decode_rt.counters["preempted"] == len(chats) and decode_rt.held.phase_of("rag") is Phase.COMPUTING:
                     break
             assert decode_rt.counters["preempted"] == len(chats), f"{name} did not preempt the RAG prompt"
-            assert "rag" in decode_rt.in_flight and "rag" in decode_rt.local_prefills
+            assert "rag" in decode_rt.held and decode_rt.held.phase_of("rag") is Phase.COMPUTING
         for chat, w in chats:
             await asyncio.wait_for(w["task"], 20)
             assert w["first_ms"] - chat.arrival_ms <= cfg.tier("interactive").ttft_ms
@@ -206,7 +207,7 @@ async def test_decode_worker_stops_claiming_when_its_streams_slow_past_their_tpo
             await enqueue(client, keys, "decode", m.DecodeWork(req), 1000)
             for _ in range(12):
                 await asyncio.sleep(0.02)
-                most = max(most, len(decode_rt.in_flight))
+                most = max(most, len(decode_rt.held))
         await asyncio.wait_for(asyncio.gather(*(w["task"] for w in watches)), 60)
         assert all(isinstance(w["final"], m.Finished) for w in watches)
         if headroom:

@@ -122,11 +122,11 @@ async def test_cancel_broadcast_aborts_a_running_decode(fleet):
     await pubsub.subscribe(keys.tokens(req.request_id))
     await enqueue(client, keys, "prefill", req, 1000)
     async with asyncio.timeout(5):
-        while "r-long" not in decode_rt.in_flight:
+        while "r-long" not in decode_rt.held:
             await asyncio.sleep(0.01)
     await client.publish(keys.cancel, m.encode(m.Cancel("r-long")))
     async with asyncio.timeout(5):
-        while "r-long" in decode_rt.in_flight:
+        while "r-long" in decode_rt.held:
             await asyncio.sleep(0.01)
     assert decode_rt.engine.stats().running == 0
     await pubsub.aclose()
@@ -155,7 +155,7 @@ async def test_a_cancellation_dropped_on_its_way_still_stops_the_decode(fleet):
     await asyncio.wait_for(entered.wait(), 5)
     await client.publish(keys.cancel, m.encode(m.Cancel("r-dropped")))
     async with asyncio.timeout(5):
-        while "r-dropped" in decode_rt.in_flight:
+        while "r-dropped" in decode_rt.held:
             await asyncio.sleep(0.01)
     assert decode_rt.counters["cancelled"] == 1 and decode_rt.engine.stats().running == 0
     g = (await client.xinfo_groups(keys.stream("decode", "interactive")))[0]
@@ -212,18 +212,18 @@ async def test_a_colocated_prompt_leaves_the_backlog_at_its_first_token(fleet):
     async with asyncio.timeout(5):
         while int(await client.hget(keys.backlog, field) or 0) != 0:
             await asyncio.sleep(0.01)
-    assert "r-coloc" in decode_rt.in_flight  # still streaming
+    assert "r-coloc" in decode_rt.held  # still streaming
     assert decode_rt.meter.tokens_per_s(now_ms()) > 0  # heartbeated: colocated admission uses it
     await client.publish(keys.cancel, m.encode(m.Cancel("r-coloc")))
     async with asyncio.timeout(5):
-        while "r-coloc" in decode_rt.in_flight:
+        while "r-coloc" in decode_rt.held:
             await asyncio.sleep(0.01)
     assert int(await client.hget(keys.backlog, field)) == 0  # released once, not again at the ack
     await pubsub.aclose()
 
 
 def test_a_worker_whose_stop_hangs_ends_itself_and_logs_where():
-    # The stop watchdog (workers/runtime.py): a stop that never completes ends the process with
+    # The stop watchdog (workers/stop_watchdog.py): a stop that never completes ends the process with
     # status 1 and every task's and thread's stack in the log, instead of waiting for a SIGKILL
     # that leaves nothing to read.
     import subprocess
@@ -231,11 +231,11 @@ def test_a_worker_whose_stop_hangs_ends_itself_and_logs_where():
 
     script = (
         "import asyncio\n"
-        "from skyline.workers.runtime import _StopWatchdog\n"
+        "from skyline.workers.stop_watchdog import StopWatchdog\n"
         "async def hangs_forever():\n"
         "    await asyncio.Event().wait()\n"
         "async def main():\n"
-        "    _StopWatchdog(asyncio.get_running_loop(), 0.2).start()\n"
+        "    StopWatchdog(asyncio.get_running_loop(), 0.2).start()\n"
         "    await hangs_forever()\n"
         "asyncio.run(main())\n"
     )

@@ -30,17 +30,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from skyline.core import messages
-from skyline.core.streams import Claimed, now_ms
+from skyline.core.streams import now_ms
 from skyline.scheduler import migration
 from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.migration import resume_refusal
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest, GenerationChunk, KVPullFailed, RequestRefused
+from skyline.workers.held import Fenced, HeldRequest
 from skyline.workers.outage import ride_out
+from skyline.workers.port import WorkerPort
 from skyline.workers.prefill import engine_request
 from skyline.workers.publisher import BatchPublisher
 from skyline.workers.runs import FENCED, STATE_LOST, RunClaim
-from skyline.workers.runtime import Fenced, WorkerRuntime
 
 log = logging.getLogger("skyline.worker.decode")
 
@@ -54,23 +55,23 @@ class StateLost(Exception):
 
 
 class DecodeHandler:
-    def __init__(self, rt: WorkerRuntime):
-        self.rt = rt
-        self.grace_s = rt.cfg.redis.outage_grace_s
-        self.publisher = BatchPublisher(rt.redis, rt.runs.publish_script, self.grace_s)
-        rt.on_start.append(self.publisher.start)
+    def __init__(self, port: WorkerPort):
+        self.port = port
+        self.grace_s = port.cfg.redis.outage_grace_s
+        self.publisher = BatchPublisher(port.redis, port.runs.publish_script, self.grace_s)
+        port.on_start.append(self.publisher.start)
 
-    async def __call__(self, claimed: Claimed) -> None:
+    async def __call__(self, held: HeldRequest) -> None:
         source = _Source(None, "")
         try:
-            await self._serve(claimed, source)
+            await self._serve(held, source)
         except Fenced:
             raise  # another worker owns the request now, and its handle with it
         except StateLost as exc:
             rid = str(exc)
-            await self.rt.engine.abort(rid)
+            await self.port.engine.abort(rid)
             log.error("%s: Redis came back without frames already published; failing it", rid)
-            await self.rt.fail(claimed, 502, "Redis lost this request's state (it restarted without the output "
+            await self.port.fail(held, 502, "Redis lost this request's state (it restarted without the output "
                                              "already sent); retry the request", code="redis_state_lost",
                                dead_letter=False)
         except BaseException:
@@ -78,55 +79,56 @@ class DecodeHandler:
             # being claimed, or it failed): nobody will pull those blocks, so free them now rather
             # than at the end of the prefill engine's lease. Not when the entry goes back to the
             # queue (preempted, handed back): the next attempt pulls them.
-            if source.unpulled is not None and not self.rt.returning_to_queue():
-                await self._release(claimed.message.request, source.unpulled)
+            if source.unpulled is not None and not held.returning_to_queue:
+                await self._release(held.request, source.unpulled)
             raise
 
     async def _release(self, req: messages.GenerateRequest, handle: dict) -> None:
         try:
             # Shielded: a second cancellation must not leave the blocks held after all.
-            await asyncio.shield(self.rt.engine.release_kv(req.request_id, handle))
+            await asyncio.shield(self.port.engine.release_kv(req.request_id, handle))
         except Exception:  # noqa: BLE001 - the lease still frees them
             log.warning("could not release the prefill engine's KV blocks of %s; its lease will", req.request_id,
                         exc_info=True)
             return
-        self.rt.timeline.emit(req.request_id, "kv_released", source_engine=handle.get("remote_engine_id"))
+        self.port.timeline.emit(req.request_id, "kv_released", source_engine=handle.get("remote_engine_id"))
 
-    async def _serve(self, claimed: Claimed, source: _Source) -> None:
+    async def _serve(self, held: HeldRequest, source: _Source) -> None:
+        claimed = held.claimed
         work = claimed.message
         if not isinstance(work, messages.DecodeWork):
-            await self.rt.fail(claimed, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
+            await self.port.fail(held, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
             return
         req = work.request
         run, claimed.run = claimed.run, None  # claimed with the entry (Runs.take), unless reclaimed
         if work.kv_handle is not None and (run is None or run.attempt == 1):
             source.unpulled = work.kv_handle  # this attempt's to pull, or to free if it ends first
         if run is None:
-            run = await ride_out(lambda: self.rt.runs.claim(req.request_id, self.rt.worker_id), self.grace_s,
+            run = await ride_out(lambda: self.port.runs.claim(req.request_id, self.port.worker_id), self.grace_s,
                                  f"claiming {req.request_id}")
         if run.done:  # an earlier attempt sent the final frame and died before its ack
-            await self.rt.ack(claimed)
+            await self.port.ack(held)
             return
         if run.attempt > 1:
             source.unpulled = None  # an earlier attempt had the handle (and may have pulled it)
         stream = _Stream(self, req, run)
         if run.output:
-            self.rt.timeline.emit(req.request_id, "migrated", attempt=run.attempt, resumed_at_token=len(run.output))
+            self.port.timeline.emit(req.request_id, "migrated", attempt=run.attempt, resumed_at_token=len(run.output))
         sp = req.sampling
         refusal = resume_refusal(sp.temperature, sp.seed, sp.n, sp.params) if run.output else None
         if refusal:
             await stream.fail(500, f"the decode worker serving this request died mid-stream, and {refusal}; "
                                    "retry the request", code="migration_refused")
-            await self.rt.queues.ack(claimed)
+            await self.port.ack(held)
             return
         ereq, source.kv_handle, source.why_local = await self._plan(work, run)
         if source.kv_handle is None:
             source.unpulled = None  # expired, or its prefill worker is gone: nothing to free
         else:
             source.prefill_finished_ms = work.prefill_finished_ms
-            await self.rt.tombstone_checked(req.request_id)  # a client gone meanwhile: its blocks freed below
+            await held.tombstone_checked()  # a client gone meanwhile: its blocks freed below
         if source.why_local:
-            observe.pd_fallback(self.rt, req, source.why_local)
+            observe.pd_fallback(self.port, req, source.why_local)
         started = now_ms()
         first_token_ms = 0
         last_chunk_s = None  # when this stream's previous tokens came: its pace feeds the claim rule
@@ -139,16 +141,16 @@ class DecodeHandler:
         try:
             if ereq.sampling.max_tokens > 0:
                 async for chunk in self._chunks(ereq, req, source):
-                    if self.rt.cancel_pending():  # a cancellation dropped on its way (WorkerRuntime.cancel)
+                    if held.cancel_pending:  # a cancellation dropped on its way (HeldRequest.cancel_pending)
                         raise asyncio.CancelledError(f"{req.request_id} was cancelled by its worker")
                     if chunk.token_ids or chunk.text:
                         t = time.monotonic()
                         if last_chunk_s is not None:
-                            self.rt.pace.record(t, t - last_chunk_s, len(chunk.token_ids))
+                            self.port.pace.record(t, t - last_chunk_s, len(chunk.token_ids))
                         last_chunk_s = t
                         if not first_token_ms:
-                            first_token_ms = observe.first_token(self.rt, req, started, source.kv_handle is not None)
-                            self.rt.local_prefill_done(req.request_id)
+                            first_token_ms = observe.first_token(self.port, req, started, source.kv_handle is not None)
+                            held.first_token()
                             prefilled_here = source.kv_handle is None
                     if chunk.done and self.publisher.in_order_batches:
                         # The last tokens go out in one round trip with the final frame (below): the
@@ -159,22 +161,22 @@ class DecodeHandler:
                         prompt_logprobs = None
                     if prefilled_here and last is None:  # after the first token is on its way
                         prefilled_here = False
-                        await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
+                        await self._prefilled_here(held, started, first_token_ms, len(ereq.prompt_token_ids))
                     if chunk.finish_reason:
                         finish_reason = chunk.finish_reason
                     if chunk.done:
                         kv_transfer = dict(chunk.kv_transfer)
         except RequestRefused as exc:
             await stream.fail(exc.status, exc.message, code="unsupported_by_engine")
-            await self.rt.queues.ack(claimed)
+            await self.port.ack(held)
             return
         except (ClientGone, Fenced) as exc:
-            await self.rt.engine.abort(req.request_id)
+            await self.port.engine.abort(req.request_id)
             if isinstance(exc, Fenced):
                 raise  # another worker owns the request now: leave the entry to it
             log.info("client of %s is gone; aborting", req.request_id)
-            self.rt.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
-            await self.rt.ack(claimed)
+            self.port.timeline.emit(req.request_id, "cancelled", phase="decode", reason="client_gone")
+            await self.port.ack(held)
             return
         if source.why_local:
             kv_transfer["local_prefill"] = source.why_local
@@ -192,17 +194,17 @@ class DecodeHandler:
             request_id=req.request_id, seq=stream.seq + (last_frame is not None), finish_reason=finish_reason,
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=stream.produced + (len(last.token_ids) if last is not None else 0), timings=timings,
-            kv_transfer=kv_transfer, decode_worker=self.rt.worker_id, prefill_worker=work.prefill_worker,
+            kv_transfer=kv_transfer, decode_worker=self.port.worker_id, prefill_worker=work.prefill_worker,
             attempts=run.attempt, resumed_at_token=len(run.output),
         )
-        observe.decode_done(self.rt, final, done)
+        observe.decode_done(self.port, final, done)
         if last_frame is not None:
             await stream.send_last(last_frame, last.token_ids, final)
         else:
             await stream.send(final, [], final=True)
         if prefilled_here:
-            await self._prefilled_here(claimed, started, first_token_ms, len(ereq.prompt_token_ids))
-        await self.rt.ack(claimed)
+            await self._prefilled_here(held, started, first_token_ms, len(ereq.prompt_token_ids))
+        await self.port.ack(held)
 
     async def _chunks(self, ereq: EngineRequest, req: messages.GenerateRequest,
                       source: _Source) -> AsyncIterator[GenerationChunk]:
@@ -215,8 +217,8 @@ class DecodeHandler:
         completed after the lease, the prefill engine logging "potentially invalid KV blocks ...
         retrieved"). The output is dropped unseen and the prompt computed here."""
         source.unpulled = None  # the engine owns the handle now: an abort frees the blocks through vLLM
-        gen = self.rt.engine.generate(ereq, source.kv_handle)
-        lease_s = self.rt.cfg.engine.kv_lease_s
+        gen = self.port.engine.generate(ereq, source.kv_handle)
+        lease_s = self.port.cfg.engine.kv_lease_s
         try:
             async for chunk in gen:
                 if source.prefill_finished_ms is not None:  # the first output: the pull is complete
@@ -225,7 +227,7 @@ class DecodeHandler:
                     if handle_expired(age, lease_s):
                         log.warning("the KV pull of %s completed %d ms after its prefill, past the handle's "
                                     "life; dropping its output and prefilling it locally", req.request_id, age)
-                        await self.rt.engine.abort(ereq.request_id)
+                        await self.port.engine.abort(ereq.request_id)
                         await gen.aclose()  # before the same request id goes to the engine again
                         why = "kv_pull_late"
                         break
@@ -238,17 +240,17 @@ class DecodeHandler:
             log.warning("%s; prefilling %s locally", exc, req.request_id)
             why = "kv_pull_failed"
         source.kv_handle, source.why_local = None, why
-        observe.pd_fallback(self.rt, req, source.why_local)
-        async for chunk in self.rt.engine.generate(ereq, None):
+        observe.pd_fallback(self.port, req, source.why_local)
+        async for chunk in self.port.engine.generate(ereq, None):
             yield chunk
 
-    async def _prefilled_here(self, claimed: Claimed, started_ms: int, first_token_ms: int, tokens: int) -> None:
+    async def _prefilled_here(self, held: HeldRequest, started_ms: int, first_token_ms: int, tokens: int) -> None:
         """This worker computed the prompt itself (colocated route, or a local
         re-prefill): measure its prefill rate, which admission control uses for
         colocated routes, and take the prompt off the prefill backlog now rather
         than when the whole answer is done (it is no longer work ahead of anyone)."""
-        self.rt.meter.record(started_ms, first_token_ms, tokens)
-        await ride_out(lambda: self.rt.queues.release_prefill(claimed), self.grace_s, "releasing a prefill")
+        self.port.meter.record(started_ms, first_token_ms, tokens)
+        await self.port.release_prefill(held)
 
     async def _plan(self, work: messages.DecodeWork, run: RunClaim) -> tuple[EngineRequest, dict | None, str]:
         """What to give the engine: the request (continued after the tokens already
@@ -267,15 +269,15 @@ class DecodeHandler:
             # its prefill may now be stale: recompute rather than risk reading reused KV.
             return ereq, None, "decode_retry"
         age = now_ms() - work.prefill_finished_ms
-        if handle_expired(age, self.rt.cfg.engine.kv_lease_s):
+        if handle_expired(age, self.port.cfg.engine.kv_lease_s):
             # The prefill engine may already have reused these blocks: pulling them
             # could silently produce wrong output. Prefill here instead.
             log.warning("KV handle of %s is %d ms old; prefilling locally", req.request_id, age)
             return ereq, None, "handle_expired"
         # A hand-off younger than the liveness window comes from a worker that was alive
         # then; a death since would not show in its heartbeat yet anyway.
-        fresh = age < 3000 * self.rt.cfg.worker.heartbeat_s
-        if work.prefill_worker and not fresh and not await self.rt.is_alive(work.prefill_worker):
+        fresh = age < 3000 * self.port.cfg.worker.heartbeat_s
+        if work.prefill_worker and not fresh and not await self.port.is_alive(work.prefill_worker):
             log.warning("prefill worker %s of %s is gone; prefilling locally", work.prefill_worker, req.request_id)
             return ereq, None, "prefill_worker_gone"
         return ereq, work.kv_handle, ""
@@ -299,7 +301,7 @@ class _Stream:
         self.h = handler
         self.req = req
         self.run = run
-        self.channel = handler.rt.keys.tokens(req.request_id)
+        self.channel = handler.port.keys.tokens(req.request_id)
         self.seq = run.frames
         self.produced = len(run.output)
         self.unheard_since: float | None = None  # monotonic time of the first publish nobody received
@@ -327,7 +329,7 @@ class _Stream:
     async def send_last(self, frame: messages.TokenDelta, token_ids: list[int], final: messages.Finished) -> None:
         """The last tokens and the final frame in one pipeline (Redis runs them in order). Nobody
         listening is no reason to abort any more: the request is done."""
-        runs, rid, attempt = self.h.rt.runs, self.req.request_id, self.run.attempt
+        runs, rid, attempt = self.h.port.runs, self.req.request_id, self.run.attempt
         calls = [runs.publish_args(rid, attempt, self.channel, messages.encode(frame), False, token_ids, self.seq),
                  runs.publish_args(rid, attempt, self.channel, messages.encode(final), True, [], self.seq + 1)]
         results = await self.h.publisher.publish_in_order(calls)
@@ -344,7 +346,7 @@ class _Stream:
                         final=True)
 
     async def send(self, frame: messages.Message, token_ids: list[int], final: bool = False) -> int:
-        keys, args = self.h.rt.runs.publish_args(self.req.request_id, self.run.attempt, self.channel,
+        keys, args = self.h.port.runs.publish_args(self.req.request_id, self.run.attempt, self.channel,
                                                  messages.encode(frame), final, token_ids, self.seq)
         receivers = await self.h.publisher.publish(keys, args)
         if receivers == FENCED:

@@ -52,7 +52,7 @@ async def watch_engine(rt: Any) -> None:
 
 async def give_up(rt: Any, why: str) -> None:
     """Leave the fleet and exit: the requests this worker holds are taken over by live workers."""
-    held = sorted(rt.in_flight)
+    held = sorted(rt.held.ids())
     log.error("worker %s gives up: %s. It holds %d request(s) (%s); it leaves the registry, kills its engine "
               "and exits with status %d, and live workers of its stage take its requests over",
               rt.worker_id, why, len(held), ", ".join(held[:8]) + (" ..." if len(held) > 8 else ""),

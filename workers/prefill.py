@@ -15,11 +15,12 @@ import asyncio
 import logging
 
 from skyline.core import messages
-from skyline.core.streams import Claimed, entry_fields, now_ms
+from skyline.core.streams import entry_fields, now_ms
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest
+from skyline.workers.held import HeldRequest
 from skyline.workers.outage import ride_out
-from skyline.workers.runtime import WorkerRuntime
+from skyline.workers.port import WorkerPort
 
 log = logging.getLogger("skyline.worker.prefill")
 
@@ -29,31 +30,31 @@ def engine_request(req: messages.GenerateRequest) -> EngineRequest:
 
 
 class PrefillHandler:
-    def __init__(self, rt: WorkerRuntime):
-        self.rt = rt
+    def __init__(self, port: WorkerPort):
+        self.port = port
 
-    async def __call__(self, claimed: Claimed) -> None:
-        req = claimed.message
+    async def __call__(self, held: HeldRequest) -> None:
+        req = held.claimed.message
         if not isinstance(req, messages.GenerateRequest):
-            await self.rt.fail(claimed, 500, f"prefill stream carried a {type(req).__name__}, expected a request")
+            await self.port.fail(held, 500, f"prefill stream carried a {type(req).__name__}, expected a request")
             return
         started = now_ms()
-        self.rt.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
-        result = await self.rt.engine.prefill(engine_request(req))
-        self.rt.prompt_computed(req.request_id)  # no longer one to preempt: only the hand-off is left
-        self.rt.meter.record(started, now_ms(), result.prompt_tokens)
+        self.port.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
+        result = await self.port.engine.prefill(engine_request(req))
+        held.prompt_computed()  # no longer one to preempt: only the hand-off is left
+        self.port.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(
-            request=req, kv_handle=result.kv_handle, prefill_worker=self.rt.worker_id,
+            request=req, kv_handle=result.kv_handle, prefill_worker=self.port.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,
         )
-        stream = self.rt.keys.stream("decode", req.tier)
-        t_handoff = observe.prefill_finished(self.rt, req, work, result.cached_tokens)
+        stream = self.port.keys.stream("decode", req.tier)
+        t_handoff = observe.prefill_finished(self.port, req, work, result.cached_tokens)
         # A Redis restart meanwhile must not waste the prefill: the hand-off is done once per
         # request however often it is sent, so it is retried until Redis is back (outage.py).
         handing = asyncio.ensure_future(ride_out(
-            lambda: self.rt.runs.hand_off(req.request_id, stream, entry_fields(work), self.rt.worker_id,
-                                          self.rt.cfg.redis.stream_maxlen),
-            self.rt.cfg.redis.outage_grace_s, f"handing {req.request_id} off"))
+            lambda: self.port.runs.hand_off(req.request_id, stream, entry_fields(work), self.port.worker_id,
+                                          self.port.cfg.redis.stream_maxlen),
+            self.port.cfg.redis.outage_grace_s, f"handing {req.request_id} off"))
         try:
             entry = await asyncio.shield(handing)
         except asyncio.CancelledError:
@@ -68,6 +69,6 @@ class PrefillHandler:
             # were slow, or delivered twice) handed it off first. Our KV blocks are
             # never pulled; the engine frees them when their lease expires.
             log.warning("%s was already handed off by another attempt; dropping this one", req.request_id)
-        observe.handle_published(self.rt, req, work, t_handoff, handed_off=entry is not None)
-        await self.rt.ack(claimed)
+        observe.handle_published(self.port, req, work, t_handoff, handed_off=entry is not None)
+        await self.port.ack(held)
         log.debug("prefilled %s (%d tokens) in %d ms", req.request_id, result.prompt_tokens, work.prefill_finished_ms - started)

@@ -13,81 +13,75 @@
   - if its main loop dies, the process exits (no zombie worker that
     heartbeats but never serves).
 
-The role-specific part is a `handle(claimed)` coroutine (prefill.py, decode.py).
+Each held request is one record (workers/held.py) whose transitions this runtime
+owns; what differs by role is a small rules object (workers/roles.py), and the
+role's work is a `handle(held)` coroutine (prefill.py, decode.py) that sees the
+worker through a narrow port (workers/port.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import faulthandler
 import functools
 import logging
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
-from skyline.core import cache_view, messages, redisconn
+from skyline.core import messages, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo, deregister, heartbeat
 from skyline.core.keys import Keys
 from skyline.core.stopping import STOP_STEP_S, bounded_step
-from skyline.core.streams import Claimed, TierQueues, enqueue, ensure_groups, needs_prefill, now_ms
+from skyline.core.streams import TierQueues, enqueue, ensure_groups, now_ms
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
+from skyline.workers.cache_mirror import mirror_cache
 from skyline.workers.engine_watch import watch_engine
 from skyline.workers.engines.base import Engine
+from skyline.workers.held import Exit, Fenced, HeldRequest, HeldTable
 from skyline.workers.outage import ride_out
+from skyline.workers.port import WorkerPort
 from skyline.workers.reaper import forget_departed, reclaim, reclaim_previous_life
+from skyline.workers.roles import rules_of
 from skyline.workers.runs import Runs
+from skyline.workers.stop_watchdog import StopWatchdog
 
 log = logging.getLogger("skyline.worker")
 
-STAGE_OF_ROLE = {"prefill": "prefill", "decode": "decode"}
+__all__ = ["Fenced", "WorkerRuntime"]  # Fenced lives in workers/held.py; re-exported for the handlers' callers
 
-
-class Fenced(Exception):
-    """This worker's claim on a request was taken over; it must not publish or ack."""
+Handler = Callable[[HeldRequest], Awaitable[None]]
 
 
 class WorkerRuntime:
     def __init__(self, cfg: SkylineConfig, engine: Engine, model_name: str):
-        role = cfg.worker.role
-        if role not in STAGE_OF_ROLE:
-            raise ValueError(f"unknown worker role {role!r}: expected prefill or decode")
+        self.rules = rules_of(cfg.worker.role)
+        role = self.rules.name
         self.cfg = cfg
         self.engine = engine
         self.role = role
-        self.stage = STAGE_OF_ROLE[role]
+        self.stage = self.rules.stage
         self.keys = Keys(cfg.key_prefix)
         self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
         self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id,
                                  liveness_s=cfg.worker.reclaim_after_s)
         self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s, cfg.redis.outage_grace_s)
-        # A decode worker claims an entry and its request's run in one round trip (workers/runs.py).
-        self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if self.stage == "decode" else None
-        self.in_flight: dict[str, tuple[asyncio.Task, Claimed]] = {}
-        self.prompt_tokens_in_flight = 0
-        # Decode: prompts this worker computes itself (colocated route) that have no first token
-        # yet, id -> tokens. They hold the engine's step budget like a prefill worker's prompts,
-        # so the same budget and the same preemption apply to them.
-        self.local_prefills: dict[str, int] = {}
-        # Prefill: prompts the engine has finished, being handed off. Aborting one frees no step
-        # budget (its blocks wait for the decode worker), so preemption no longer picks it.
-        self.prompts_computed: set[str] = set()
-        self.meter = ThroughputMeter()  # prefill: tokens per busy second, for admission and preemption
+        self.take = (functools.partial(self.runs.take, worker_id=self.worker_id)
+                     if self.rules.claims_run_with_entry else None)
+        self.held = HeldTable()  # every request this worker holds, one record each (workers/held.py)
+        self.meter = ThroughputMeter()  # prompt tokens per busy second of the prompts computed here
         self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
         self.tier_rank = {t.name: i for i, t in enumerate(sorted(cfg.tiers, key=lambda t: t.ttft_ms))}
         # The engine's step shape, for the preemption check. The per-request cap and the background
@@ -100,16 +94,9 @@ class WorkerRuntime:
         self.claims = ClaimShield()  # set by a preemption: claim only its tiers for a while
         self.room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
         self.tiers_by_rank = tuple(sorted(self.tier_rank, key=self.tier_rank.__getitem__))
-        # The tasks (not request ids) being preempted or handed back: a preempted request can be
-        # claimed again, under the same id, before its old task has finished cleaning up.
-        self.preempting: set[asyncio.Task] = set()
-        self.handing_back: set[asyncio.Task] = set()
-        self.cancel_requested: set[asyncio.Task] = set()  # cancelled by this worker, not yet unwound
         self.left_fleet = False  # deregistered for good (its engine failed): no heartbeat may re-register it
         self.reaped_once = False  # the first look for abandoned entries also takes this id's own (reaper.py)
-        self.tombstones: dict[str, asyncio.Task] = {}  # request id -> its "client left while queued?" check
-        self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "preempted": 0, "reclaimed": 0,
-                         "dead_lettered": 0, "fenced": 0, "dropped_late": 0, "handed_back": 0}
+        self.counters = {e.value: 0 for e in Exit} | {"reclaimed": 0, "dead_lettered": 0}
         self.timeline, self.metrics = observe.attach(self)  # request events -> Redis timeline, log line, metrics
         self.tier_by_name = {t.name: t for t in cfg.tiers}
         self.stopping = asyncio.Event()
@@ -117,15 +104,18 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=role, engine=engine.kind, model=model_name, host=socket.gethostname(),
             pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
             max_running=cfg.worker.max_running,
-            # The decode claim rule's watermark: placement does not wait for a worker that would not claim.
-            kv_watermark=cfg.worker.kv_watermark if role == "decode" else 0.0,
+            kv_watermark=cfg.worker.kv_watermark if self.rules.has_kv_watermark else 0.0,
         )
-        self.handle: Callable[[Claimed], Awaitable[None]] | None = None
+        self.handle: Handler | None = None
         self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts
+        self.port = WorkerPort(cfg=cfg, worker_id=self.worker_id, keys=self.keys, redis=self.redis, engine=engine,
+                               runs=self.runs, timeline=self.timeline, meter=self.meter, pace=self.pace,
+                               fail=self.fail, ack=self.ack, release_prefill=self.release_prefill,
+                               is_alive=self.is_alive, on_start=self.on_start)
 
     # -- lifecycle ---------------------------------------------------------
 
-    async def run(self, handle: Callable[[Claimed], Awaitable[None]], install_signals: bool = True) -> None:
+    async def run(self, handle: Handler, install_signals: bool = True) -> None:
         self.handle = handle
         await self.engine.start()
         await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
@@ -142,7 +132,8 @@ class WorkerRuntime:
         side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop()),
                 asyncio.create_task(watch_engine(self))]
         if self.info.cache_block_size:
-            side.append(asyncio.create_task(self._cache_view_loop()))
+            side.append(asyncio.create_task(
+                mirror_cache(self.engine, self.redis, self.keys, self.worker_id, self.cfg.worker)))
         try:
             await self._claim_loop()
             await self._drain()
@@ -165,31 +156,30 @@ class WorkerRuntime:
         """SIGTERM/SIGINT: stop claiming and drain; a watchdog ends the process if the stop never completes."""
         if self.stopping.is_set():
             return
-        log.info("worker %s stopping (%s): %d request(s) held", self.worker_id, sig.name, len(self.in_flight))
+        log.info("worker %s stopping (%s): %d request(s) held", self.worker_id, sig.name, len(self.held))
         self.stopping.set()
         # Drain, then up to 10 s handing back, then the bounded steps of the way out.
         limit_s = self.cfg.worker.drain_timeout_s + 10 + EXIT_STEPS * EXIT_STEP_S + 5
-        _StopWatchdog(asyncio.get_running_loop(), limit_s).start()
+        StopWatchdog(asyncio.get_running_loop(), limit_s).start()
 
     async def _drain(self) -> None:
         """Graceful scale-in: let held requests finish (bounded by `drain_timeout_s`),
         then hand back what is left: each goes back on its stream as a new entry
         (a decode resumes from the tokens already sent) and the old entry is
         acked, so no entry is left pending on a consumer that is going away."""
-        tasks = [t for t, _ in self.in_flight.values()]
+        tasks = [h.task for h in self.held if h.task is not None]
         if not tasks:
             return
         log.info("draining %d request(s)", len(tasks))
         await asyncio.wait(tasks, timeout=self.cfg.worker.drain_timeout_s)
-        left = list(self.in_flight.items())
+        left = list(self.held)
         if not left:
             return
         log.warning("drain timed out; handing %d request(s) back", len(left))
-        for rid, (task, _claimed) in left:
-            self.handing_back.add(task)
-            self.cancel(task)
-            await self.engine.abort(rid)
-        await asyncio.wait([t for _, (t, _) in left], timeout=10)
+        for held in left:
+            held.end_early(Exit.HANDED_BACK)
+            await self.engine.abort(held.request_id)
+        await asyncio.wait([h.task for h in left if h.task is not None], timeout=10)
 
     async def is_alive(self, worker_id: str) -> bool:
         """Did `worker_id` heartbeat recently (within three periods)?"""
@@ -201,26 +191,15 @@ class WorkerRuntime:
     def has_room(self) -> bool:
         """Claim only what the engine can start soon; the rest stays in Redis,
         in deadline order, where any worker that frees up can take it (scheduler/claiming.py)."""
-        held = len(self.in_flight)
-        if self.role == "prefill":
-            return self.room.prefill(held, self.prompt_tokens_in_flight)
-        return self.room.decode(held, sum(self.local_prefills.values()), self.engine.stats().kv_usage, self._pace_ok())
+        return self.rules.has_room(self.room, self.held, lambda: self.engine.stats().kv_usage, self._pace_ok)
 
     def _pace_ok(self) -> bool:
-        """The pace rule's verdict for the streams this decode worker holds (scheduler/decode_room.py)."""
+        """The pace rule's verdict for the streams this worker decodes (scheduler/decode_room.py)."""
         headroom = self.cfg.worker.tpot_headroom
         if headroom <= 0:
             return True  # the pace rule is off
-        tightest = min((_request_of(c.message).tpot_ms for _t, c in self.in_flight.values()), default=None)
+        tightest = min((h.request.tpot_ms for h in self.held), default=None)
         return pace_allows(self.pace.seconds_per_token(time.monotonic()), tightest, headroom)
-
-    def prompt_computed(self, request_id: str) -> None:
-        """Prefill: the engine finished the request's prompt; only its hand-off is left."""
-        self.prompts_computed.add(request_id)
-
-    def local_prefill_done(self, request_id: str) -> None:
-        """Decode: a prompt computed here produced its first token; it no longer holds the step budget."""
-        self.local_prefills.pop(request_id, None)
 
     def tokens_per_s(self) -> float:
         return rate_or_prior(self.meter.tokens_per_s(now_ms()), self.cfg.worker.prior_prefill_tokens_per_s)
@@ -242,134 +221,87 @@ class WorkerRuntime:
         request as it is claimed: the engine gives its step budget to the prompts it
         already runs before a newcomer, whatever their priorities."""
         for victim in self.victims_for(tier, deadline_ms, prompt_tokens, claimed):
+            held = self.held.get(victim)
+            assert held is not None
             log.info("preempting %s for a %s request due in %d ms", victim, tier, deadline_ms - now_ms())
-            self.timeline.emit(victim, "preempted", tier=_request_of(self.in_flight[victim][1].message).tier,
-                               for_tier=tier)
-            task = self.in_flight[victim][0]
-            self.preempting.add(task)
-            self.cancel(task)
+            self.timeline.emit(victim, "preempted", tier=held.request.tier, for_tier=tier)
+            held.end_early(Exit.PREEMPTED)
             await self.engine.abort(victim)
 
     def victims_for(self, tier: str, deadline_ms: int, prompt_tokens: int, claimed: bool = True) -> list[str]:
         """The prompts to abort for a request of `tier` (scheduler.preemption.victims), in abort order;
         when there are any, the worker shields the request's tiers (scheduler.claiming.ClaimShield)."""
-        computing = list(self._computing())
+        computing = self.held.computing()
         rank = self.tier_rank.get(tier, 99)
-        held = [(self.tier_rank.get(req.tier, 99), req.deadline_ms, len(req.prompt_token_ids), req.preemptions)
-                for _rid, req in computing]
+        held = [(self.tier_rank.get(h.request.tier, 99), h.request.deadline_ms, h.prompt_tokens,
+                 h.request.preemptions) for h in computing]
         chosen = victims(self.preemption, held, Waiting(rank, deadline_ms, prompt_tokens), now_ms(), self.tokens_per_s,
                          claimed)
         if chosen:
             self.claims.preempted_for(rank, deadline_ms)
-        return [computing[i][0] for i in chosen]
+        return [computing[i].request_id for i in chosen]
 
     def computing_ranks(self):
         """Tier ranks of the prompts this worker's engine computes (what keeps a shield up)."""
-        return (self.tier_rank.get(req.tier, 99) for _rid, req in self._computing())
-
-    def _computing(self):
-        """(request id, request) of the prompts this worker's engine is computing and may preempt:
-        a prefill worker's, or a decode worker's own (never a stream in progress)."""
-        for rid, (task, claimed) in self.in_flight.items():
-            if task not in self.preempting and (rid not in self.prompts_computed if self.role == "prefill"
-                                                else rid in self.local_prefills):
-                yield rid, _request_of(claimed.message)
+        return (self.tier_rank.get(h.request.tier, 99) for h in self.held.computing())
 
     def _claimable_tiers(self) -> tuple[str, ...] | None:
         """The tiers the next claim may take from (None = all): those a recent preemption shields."""
         limit = self.claims.max_rank(now_ms())
         return None if limit is None else tuple(self.tiers_by_rank[: limit + 1])
 
-    def cancel(self, task: asyncio.Task) -> None:
-        """Cancel a request's task (preemption, hand-back, the client's cancel).
-
-        Python 3.11's asyncio.wait_for, which redis-py awaits inside its commands,
-        drops a cancellation that lands just as the awaited call completes (fixed
-        in 3.12): the task runs on as if nothing happened (seen: a cancelled decode
-        kept streaming). So the task stays in `cancel_requested` until its
-        CancelledError reaches `_start`'s handler, and the decode loop checks
-        `cancel_pending()` at every chunk. Cancelling again instead could land in
-        the middle of the task's own clean-up (a requeue) and break it.
-        """
-        self.cancel_requested.add(task)
-        task.cancel()
-
-    async def tombstone_checked(self, rid: str) -> None:
-        """Wait for the answer to "did the client leave while it was queued?", asked when the request
-        was claimed: if it did, the calling request's task is cancelled (at this await at the latest).
-        A decode worker asks before its engine takes a handed-off prompt's handle: until then it can
-        free the prefill engine's blocks itself, while an engine request aborted as it is being
-        submitted may leave them to the lease."""
-        tombstone = self.tombstones.get(rid)
-        if tombstone is not None:
-            await asyncio.shield(tombstone)
-
-    def returning_to_queue(self) -> bool:
-        """Is the calling request's task being preempted or handed back (its entry goes back to the
-        queue, and another attempt serves it)?"""
-        me = asyncio.current_task()
-        return me in self.preempting or me in self.handing_back
-
-    def cancel_pending(self) -> bool:
-        """Was the calling request's task cancelled by this worker (the cancellation still on its way)?"""
-        return asyncio.current_task() in self.cancel_requested
-
-    async def _requeue_preempted(self, claimed: Claimed) -> None:
+    async def _requeue_preempted(self, held: HeldRequest) -> None:
         """Put a preempted request back with its original arrival and deadline (on its tier's
         retry lane, ahead of what arrived after it), then ack the old entry: EDF brings it
         back in turn; only its prefill is recomputed."""
-        req = _request_of(claimed.message)
+        req, msg = held.request, held.claimed.message
         again_req = dataclasses.replace(req, preemptions=req.preemptions + 1)
-        again = (dataclasses.replace(claimed.message, request=again_req)
-                 if isinstance(claimed.message, messages.DecodeWork) else again_req)
+        again = (dataclasses.replace(msg, request=again_req) if isinstance(msg, messages.DecodeWork) else again_req)
         await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen, retry=True)
         self.timeline.emit(req.request_id, "requeued", stage=self.stage, tier=req.tier, reason="preempted")
-        await self.queues.ack(claimed)
-        self.counters["preempted"] += 1
+        await self.queues.ack(held.claimed)
 
-    async def _hand_back(self, claimed: Claimed) -> None:
+    async def _hand_back(self, held: HeldRequest) -> None:
         """Return a request this worker will not finish to its tier's retry lane as a new entry.
         The same message: a decode takeover finds the tokens already sent in the
         request's output log and resumes from there."""
-        msg = claimed.message
-        await enqueue(self.redis, self.keys, self.stage, msg, self.cfg.redis.stream_maxlen,  # type: ignore[arg-type]
-                      retry=True)
-        self.timeline.emit(_request_of(msg).request_id, "requeued", stage=self.stage, reason="drain")
-        await self.queues.ack(claimed)
-        self.counters["handed_back"] += 1
+        await enqueue(self.redis, self.keys, self.stage, held.claimed.message,  # type: ignore[arg-type]
+                      self.cfg.redis.stream_maxlen, retry=True)
+        self.timeline.emit(held.request_id, "requeued", stage=self.stage, reason="drain")
+        await self.queues.ack(held.claimed)
 
     async def _reap(self, room: asyncio.Event) -> None:
         """Take over entries of workers that died or stalled, as far as there is room."""
         wc = self.cfg.worker
-        limit = wc.max_running - len(self.in_flight)
+        limit = wc.max_running - len(self.held)
         got_back = []
         if not self.reaped_once:  # first: what an earlier process under this worker's id left pending
             self.reaped_once = True
             got_back = await reclaim_previous_life(self.queues, limit)
         for got in got_back + await reclaim(self.queues, wc.reclaim_after_s, limit - len(got_back)):
-            rid = _request_of(got.claimed.message).request_id
+            held = HeldRequest.of(got.claimed, self.rules.first_phase(got.claimed.message))
             self.counters["reclaimed"] += 1
-            self.timeline.emit(rid, "reclaimed", stage=self.stage, from_worker=got.previous_owner,
+            self.timeline.emit(held.request_id, "reclaimed", stage=self.stage, from_worker=got.previous_owner,
                                delivery=got.deliveries)
             if got.deliveries > wc.max_deliveries:
                 self.counters["dead_lettered"] += 1
-                log.error("%s was delivered %d times without finishing; dead-lettering it", rid, got.deliveries - 1)
-                await self.fail(got.claimed, 500, f"request failed on {got.deliveries - 1} workers in a row "
-                                                  "(each died or stalled while holding it); moved to the "
-                                                  "dead-letter stream", code="poison_request")
+                log.error("%s was delivered %d times without finishing; dead-lettering it", held.request_id,
+                          got.deliveries - 1)
+                await self.fail(held, 500, f"request failed on {got.deliveries - 1} workers in a row "
+                                           "(each died or stalled while holding it); moved to the "
+                                           "dead-letter stream", code="poison_request")
                 continue
-            log.warning("took over %s from %s (delivery %d)", rid, got.previous_owner, got.deliveries)
-            self._start(got.claimed, room)
+            log.warning("took over %s from %s (delivery %d)", held.request_id, got.previous_owner, got.deliveries)
+            self._start(held, room)
 
-    def _too_late(self, claimed: Claimed) -> bool:
+    def _too_late(self, held: HeldRequest) -> bool:
         """A queued request whose tier would rather fail than be served this late.
         Only before any output: a migrating stream is never dropped."""
-        msg = claimed.message
+        msg = held.claimed.message
         if isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None:
             return False  # prefilled already: its first token is imminent
-        req = _request_of(msg)
-        tier = self.tier_by_name.get(req.tier)
-        return tier is not None and tier.drop_late_ms >= 0 and now_ms() > req.deadline_ms + tier.drop_late_ms
+        tier = self.tier_by_name.get(held.request.tier)
+        return tier is not None and tier.drop_late_ms >= 0 and now_ms() > held.request.deadline_ms + tier.drop_late_ms
 
     async def _claim_loop(self) -> None:
         room = asyncio.Event()
@@ -389,7 +321,7 @@ class WorkerRuntime:
                     log.warning("reclaim check failed: %s", exc)
             if not self.has_room():
                 room.clear()
-                if self.preemption.enabled and (self.role == "prefill" or self.local_prefills):
+                if self.preemption.enabled and self.held.computing():
                     try:
                         await self._maybe_preempt()
                     except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
@@ -419,99 +351,78 @@ class WorkerRuntime:
                 if tiers is not None and not self.claims.found_nothing(self.computing_ranks()):
                     await _wait_any(room, self.stopping, timeout=RECHECK_S)
                 continue
-            if self.preemption.enabled and needs_prefill(claimed.message):  # it will compete for the step budget
-                req = _request_of(claimed.message)
-                await self._preempt_for(req.tier, req.deadline_ms, len(req.prompt_token_ids))
-            self._start(claimed, room)
+            held = HeldRequest.of(claimed, self.rules.first_phase(claimed.message))
+            if self.preemption.enabled and held.computing:  # it will compete for the step budget
+                await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
+            self._start(held, room)
 
-    def _hold(self, claimed: Claimed, task: asyncio.Task) -> None:
-        """Count a claimed request as held: what the claim rule and preemption see (scheduler/claiming.py)."""
-        req = _request_of(claimed.message)
-        tokens = len(req.prompt_token_ids)
-        self.prompt_tokens_in_flight += tokens
-        if self.role == "decode" and needs_prefill(claimed.message):
-            self.local_prefills[req.request_id] = tokens
-        self.in_flight[req.request_id] = (task, claimed)
+    def hold(self, held: HeldRequest, task: asyncio.Task) -> None:
+        """Count a claimed request as held from now: what the claim rule and preemption see."""
+        held.task = task
+        self.held.add(held)
 
-    async def _cancel_if_tombstoned(self, rid: str, task: asyncio.Task) -> None:
+    async def _cancel_if_tombstoned(self, held: HeldRequest) -> None:
         try:
-            if await self.redis.exists(self.keys.cancelled(rid)):
-                log.info("%s was cancelled while queued; dropping it", rid)
-                self.cancel(task)
+            if await self.redis.exists(self.keys.cancelled(held.request_id)):
+                log.info("%s was cancelled while queued; dropping it", held.request_id)
+                held.end_early(Exit.CANCELLED)
         except (RedisConnectionError, RedisTimeoutError, OSError):
             pass  # the request's own Redis calls meet the same outage and fail it visibly
 
-    def _release(self, rid: str, task: asyncio.Task, tokens: int) -> None:
-        """A request's task has ended (done, failed, cancelled, preempted, handed back): it is held no more."""
-        # A requeued request may already be claimed again (same id, a new task): leave its entries.
-        if self.in_flight.get(rid, (None,))[0] is task:
-            self.in_flight.pop(rid)
-            self.local_prefills.pop(rid, None)
-            self.prompts_computed.discard(rid)
-        self.prompt_tokens_in_flight -= tokens
+    def _start(self, held: HeldRequest, room: asyncio.Event) -> None:
+        observe.claimed(self, self.stage, held.request, held.claimed.entry_id)
+        self.hold(held, asyncio.create_task(self._serve(held, room), name=f"{self.role}:{held.request_id}"))
 
-    def _start(self, claimed: Claimed, room: asyncio.Event) -> None:
-        rid = _request_of(claimed.message).request_id
-        tokens = len(_request_of(claimed.message).prompt_token_ids)
-        observe.claimed(self, self.stage, _request_of(claimed.message), claimed.entry_id)
+    async def _serve(self, held: HeldRequest, room: asyncio.Event) -> None:
+        """One held request's task, from its claim to its release: the role's handler, and what each
+        way of leaving means for its entry (WorkerRuntime owns every transition of the record)."""
+        rid = held.request_id
+        held.tombstone = asyncio.create_task(self._cancel_if_tombstoned(held))
+        try:
+            if self.rules.checks_tombstone_first:
+                await asyncio.shield(held.tombstone)
+            if self._too_late(held):
+                self._count(Exit.DROPPED_LATE)
+                log.info("drop %s: still queued %d ms past its deadline", rid, now_ms() - held.request.deadline_ms)
+                await self.fail(held, 503, "the request waited in the queue past its deadline and its tier "
+                                           "drops late requests rather than serve them late; retry later",
+                                code="deadline_exceeded", dead_letter=False)
+                return
+            assert self.handle is not None
+            await self.handle(held)
+            self._count(Exit.COMPLETED)
+        except Fenced as exc:
+            # Taken over by another worker (we were presumed dead): it owns the entry now.
+            self._count(Exit.FENCED)
+            log.warning("fenced: %s", exc)
+        except asyncio.CancelledError:
+            held.cancel_delivered = True
+            if held.leaving is Exit.PREEMPTED:
+                await self._requeue_preempted(held)
+                self._count(Exit.PREEMPTED)
+            elif held.leaving is Exit.HANDED_BACK:
+                await self._hand_back(held)
+                self._count(Exit.HANDED_BACK)
+            else:
+                self._count(Exit.CANCELLED)
+                self.timeline.emit(rid, "cancelled", phase=self.stage)
+                await self.queues.ack(held.claimed)  # cancelled by the client: nothing left to deliver
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
+            log.exception("request %s failed", rid)
+            self._count(Exit.FAILED)
+            # The exception's text stays in this worker's log: it may quote internals, never the client's.
+            await self.fail(held, 500, f"internal error in {self.role} worker {self.worker_id} "
+                                       f"({type(exc).__name__}); its log has the details under request id "
+                                       f"{rid}", code="internal_error", detail=f"{type(exc).__name__}: {exc}")
+        finally:
+            held.tombstone.cancel()
+            self.held.release(held)
+            room.set()
 
-        async def guarded() -> None:
-            me = asyncio.current_task()
-            assert me is not None
-            # Was it cancelled while queued (the gateway's tombstone)? A prefill waits for the answer:
-            # what it makes (KV blocks, a handle) outlives it. A decode asks beside its first steps,
-            # saving every request a round trip before its first token: all it makes goes to the
-            # client, so a yes cancels it as a cancel message would, before it has done more than start.
-            tombstone = asyncio.create_task(self._cancel_if_tombstoned(rid, me))
-            self.tombstones[rid] = tombstone
-            try:
-                if self.role == "prefill":
-                    await asyncio.shield(tombstone)
-                if self._too_late(claimed):
-                    self.counters["dropped_late"] += 1
-                    log.info("drop %s: still queued %d ms past its deadline", rid,
-                             now_ms() - _request_of(claimed.message).deadline_ms)
-                    await self.fail(claimed, 503, "the request waited in the queue past its deadline and its tier "
-                                                  "drops late requests rather than serve them late; retry later",
-                                    code="deadline_exceeded", dead_letter=False)
-                    return
-                assert self.handle is not None
-                await self.handle(claimed)
-                self.counters["completed"] += 1
-            except Fenced as exc:
-                # Taken over by another worker (we were presumed dead): it owns the entry now.
-                self.counters["fenced"] += 1
-                log.warning("fenced: %s", exc)
-            except asyncio.CancelledError:
-                self.cancel_requested.discard(me)  # delivered
-                if me in self.preempting:
-                    await self._requeue_preempted(claimed)
-                elif me in self.handing_back:
-                    await self._hand_back(claimed)
-                else:
-                    self.counters["cancelled"] += 1
-                    self.timeline.emit(rid, "cancelled", phase=self.stage)
-                    await self.queues.ack(claimed)  # cancelled by the client: nothing left to deliver
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
-                log.exception("request %s failed", rid)
-                self.counters["failed"] += 1
-                # The exception's text stays in this worker's log: it may quote internals, never the client's.
-                await self.fail(claimed, 500, f"internal error in {self.role} worker {self.worker_id} "
-                                              f"({type(exc).__name__}); its log has the details under request id "
-                                              f"{rid}", code="internal_error", detail=f"{type(exc).__name__}: {exc}")
-            finally:
-                tombstone.cancel()
-                if self.tombstones.get(rid) is tombstone:
-                    del self.tombstones[rid]
-                self.preempting.discard(me)
-                self.handing_back.discard(me)
-                self.cancel_requested.discard(me)
-                self._release(rid, me, tokens)
-                room.set()
+    def _count(self, how: Exit) -> None:
+        self.counters[how.value] += 1
 
-        self._hold(claimed, asyncio.create_task(guarded(), name=f"{self.role}:{rid}"))
-
-    async def fail(self, claimed: Claimed, status: int, message: str, code: str | None = None,
+    async def fail(self, held: HeldRequest, status: int, message: str, code: str | None = None,
                    dead_letter: bool = True, detail: str | None = None) -> None:
         """End a request with an explicit error frame, record it in the dead-letter
         stream (for a human to look at, with `detail` when the client's message leaves it
@@ -519,40 +430,45 @@ class WorkerRuntime:
         request's frame log, where a relay that was reconnecting when it was published finds it
         (gateway/resume.py). Retried while Redis is unreachable (a second copy is harmless: the
         gateway takes one terminal frame)."""
-        req = _request_of(claimed.message)
-        self.timeline.emit(req.request_id, "failed", status=status, reason=code or "error", dead_letter=dead_letter)
-        frame = messages.Failed(request_id=req.request_id, seq=1 << 30, status=status, message=message, code=code)
-        payload, frames = messages.encode(frame), self.keys.frames(req.request_id)
+        rid = held.request_id
+        self.timeline.emit(rid, "failed", status=status, reason=code or "error", dead_letter=dead_letter)
+        frame = messages.Failed(request_id=rid, seq=1 << 30, status=status, message=message, code=code)
+        payload, frames = messages.encode(frame), self.keys.frames(rid)
 
         async def send() -> None:  # a pipeline is emptied by its execute(): built afresh for each try
             pipe = self.redis.pipeline(transaction=False)
             pipe.rpush(frames, payload)
             pipe.expire(frames, self.runs.kept_after_final_s)
-            pipe.publish(self.keys.tokens(req.request_id), payload)
+            pipe.publish(self.keys.tokens(rid), payload)
             if dead_letter:
                 pipe.xadd(
                     self.keys.dead,
-                    {"id": req.request_id, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
-                     "msg": messages.encode(claimed.message)},
+                    {"id": rid, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
+                     "msg": messages.encode(held.claimed.message)},
                     maxlen=10_000, approximate=True,
                 )
             await pipe.execute()
 
-        await ride_out(send, self.cfg.redis.outage_grace_s, f"failing {req.request_id}")
-        await self.ack(claimed)
+        await ride_out(send, self.cfg.redis.outage_grace_s, f"failing {rid}")
+        await self.ack(held)
 
-    async def ack(self, claimed: Claimed) -> None:
+    async def ack(self, held: HeldRequest) -> None:
         """XACK a finished entry (`TierQueues.ack`), retried while Redis is unreachable for up to
         `outage_grace_s` (workers/outage.py): acking again is harmless."""
-        await ride_out(lambda: self.queues.ack(claimed), self.cfg.redis.outage_grace_s,
-                       f"acking {_request_of(claimed.message).request_id}")
+        await ride_out(lambda: self.queues.ack(held.claimed), self.cfg.redis.outage_grace_s,
+                       f"acking {held.request_id}")
+
+    async def release_prefill(self, held: HeldRequest) -> None:
+        """Its prompt was computed here before its ack: take it off the prefill backlog now."""
+        await ride_out(lambda: self.queues.release_prefill(held.claimed), self.cfg.redis.outage_grace_s,
+                       "releasing a prefill")
 
     # -- side loops --------------------------------------------------------------
 
     async def _beat(self) -> None:
         s = self.engine.stats()
-        self.info.running, self.info.waiting, self.info.kv_usage = len(self.in_flight), s.waiting, s.kv_usage
-        self.info.running_tokens = self.prompt_tokens_in_flight if self.role == "prefill" else 0
+        self.info.running, self.info.waiting, self.info.kv_usage = len(self.held), s.waiting, s.kv_usage
+        self.info.running_tokens = self.rules.running_tokens(self.held)
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
@@ -568,38 +484,18 @@ class WorkerRuntime:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
-    async def _cache_view_loop(self) -> None:
-        """Mirror the engine's prefix-cache events into the fleet's cache view (skyline/core/cache_view.py).
-        A batch that cannot be written is not retried: the view is cleared at the next write and
-        rebuilt from what is stored after it. It then lacks blocks the engine holds (a missed
-        placement), but never lists a block the engine evicted while Redis was away."""
-        wc = self.cfg.worker
-        lost = False
-        while True:
-            await asyncio.sleep(CACHE_VIEW_PERIOD_S)
-            delta = self.engine.cache_delta()
-            if delta is None and not lost:
-                continue
-            stored, removed, cleared = (delta.stored, delta.removed, delta.cleared) if delta else ([], [], False)
-            try:
-                await cache_view.apply(self.redis, self.keys, self.worker_id, stored, removed, cleared or lost,
-                                       wc.cache_view_max_blocks, wc.heartbeat_ttl_s)
-                lost = False
-            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
-                if not lost:
-                    log.warning("cache view not updated (%s); it is rebuilt once Redis answers", exc)
-                lost = True
-
     async def _cancel_loop(self) -> None:
+        """Abort the requests this worker holds whose clients left (the gateway's `Cancel` messages)."""
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.cancel)
                 async for msg in pubsub.listen():
                     cancel = messages.decode(msg["data"])
-                    if isinstance(cancel, messages.Cancel) and cancel.request_id in self.in_flight:
+                    held = self.held.get(cancel.request_id) if isinstance(cancel, messages.Cancel) else None
+                    if held is not None:
                         log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
-                        self.cancel(self.in_flight[cancel.request_id][0])
+                        held.end_early(Exit.CANCELLED)
                         await self.engine.abort(cancel.request_id)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
@@ -608,47 +504,8 @@ class WorkerRuntime:
                 await pubsub.aclose()
 
 
-def _request_of(msg: messages.Message) -> messages.GenerateRequest:
-    return msg.request if isinstance(msg, messages.DecodeWork) else msg  # type: ignore[return-value]
-
-
-CACHE_VIEW_PERIOD_S = 0.05  # how often the engine's cache events are mirrored into Redis (one pipeline)
 EXIT_STEPS = 5  # the awaited steps after the drain, each bounded by EXIT_STEP_S
 EXIT_STEP_S = STOP_STEP_S
-
-
-class _StopWatchdog(threading.Thread):
-    """Ends a worker whose stop has not completed in `limit_s`: logs every asyncio task's stack
-    and every thread's (where it hung), then exits with status 1. A thread, so a blocked event
-    loop cannot hold it up."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit_s: float):
-        super().__init__(name="stop-watchdog", daemon=True)
-        self.loop, self.limit_s = loop, limit_s
-
-    def run(self) -> None:
-        time.sleep(self.limit_s)
-        log.error("worker did not stop within %.0f s of the signal; exiting (stacks follow)", self.limit_s)
-        try:
-            self.loop.call_soon_threadsafe(_print_task_stacks)
-        except RuntimeError:
-            pass  # the loop is closed: the thread stacks below say the rest
-        time.sleep(1.0)
-        faulthandler.dump_traceback(all_threads=True)
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _print_task_stacks() -> None:
-    # Each task's chain of awaits, outermost first: the last line is where it waits.
-    for task in asyncio.all_tasks():
-        print(f"task {task.get_name()}:", file=sys.stderr)
-        coro = task.get_coro()
-        while coro is not None:
-            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-            if frame is not None:
-                print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=sys.stderr)
-            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
