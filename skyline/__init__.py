@@ -10,7 +10,17 @@ The layers, lowest first (tests/test_layers.py keeps them; docs/modules.md maps 
   skyline.cli         the one command line that starts any of them
 """
 
+import multiprocessing as _mp
+
 from skyline.core import envs as _envs
+
+# A vLLM process a worker spawned: multiprocessing re-creates the worker's main module (which imports
+# Skyline) in it before anything else, marking the process as inheriting meanwhile; it ends with the
+# worker from here on (skyline/core/lifetime.py).
+if _envs.ENGINE_OWNER_PID.is_set() and getattr(_mp.current_process(), "_inheriting", False):
+    from skyline.core.lifetime import engine_process_ends_with_parent as _ends_with_parent
+
+    _ends_with_parent()
 
 if _envs.SIM_NATIVE.is_set():  # `skyline simulate` with its compiled modules, before anything imports them
     from skyline.tools.simulate.native import activate as _activate

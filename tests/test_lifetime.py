@@ -88,3 +88,79 @@ def test_vllm_processes_skyline_did_not_start_are_left_alone(tmp_path):
         assert wait_gone([core], timeout_s=2) == [core]  # no mark: the plugin changes nothing
     finally:
         os.kill(core, signal.SIGKILL)
+
+
+# A worker killed while its engine starts: the engine core has not loaded the plugin yet (vLLM loads it
+# after the handshake with its parent, which never comes), so only the mark read when the spawned
+# process re-creates the worker's main module (it imports Skyline first, as `skyline.cli` does) ends it.
+WORKER_KILLED_EARLY = """
+import multiprocessing, sys, time
+import skyline  # the worker's main module imports Skyline, as skyline.cli does
+
+def engine_core_waiting_for_a_handshake():
+    time.sleep(60)
+
+if __name__ == "__main__":
+    from skyline.core.lifetime import mark_engine_processes
+    mark_engine_processes()
+    core = multiprocessing.get_context("spawn").Process(target=engine_core_waiting_for_a_handshake)
+    core.start()
+    print(core.pid, flush=True)
+    time.sleep(float(sys.argv[1]))
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("kill_after_s", [0.0, 1.5])
+def test_an_engine_process_ends_with_a_worker_killed_before_the_plugin_loaded(tmp_path, kill_after_s):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_KILLED_EARLY)
+    worker = subprocess.Popen([sys.executable, str(script), str(kill_after_s)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    core = int(worker.stdout.readline())
+    assert worker.stdout.readline().strip() == "ready"
+    try:
+        _kill(worker)  # at once (before the child imported anything), or once it waits for the handshake
+        assert not wait_gone([core], timeout_s=5), "the engine process outlived its worker"
+    finally:
+        if alive(core):
+            os.kill(core, signal.SIGKILL)
+
+
+def _engine_processes_of(worker_pid: int) -> list[int]:
+    """Processes marked as engine processes of `worker_pid` (vLLM's engine core and its executor)."""
+    mark = f"SKYLINE_ENGINE_OWNER_PID={worker_pid}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") and int(pid) != worker_pid:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kill_after_s", [12.0, 22.0])
+def test_no_vllm_engine_outlives_a_worker_killed_while_it_starts(tmp_path, redis_url, key_prefix, kill_after_s):
+    """A real worker on vLLM killed with SIGKILL at a moment of its engine's start-up (~37 s here):
+    within a few seconds no process of its engine remains."""
+    import time
+
+    log = open(tmp_path / "worker.log", "wb")
+    worker = subprocess.Popen([sys.executable, "-m", "skyline.cli", "worker", "decode", "--engine", "vllm",
+                               "--redis-url", redis_url, "--key-prefix", key_prefix, "--metrics-port", "0"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + kill_after_s
+    seen: set[int] = set()
+    while time.monotonic() < deadline:
+        seen.update(_engine_processes_of(worker.pid))
+        time.sleep(0.2)
+    seen.update(_engine_processes_of(worker.pid))
+    _kill(worker)
+    left = wait_gone(sorted(seen | set(_engine_processes_of(worker.pid))), timeout_s=8)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert seen, "the worker spawned no engine process in time: the test killed it too early to say anything"
+    assert not left, f"engine processes {left} outlived their worker (its log: {tmp_path / 'worker.log'})"

@@ -273,3 +273,21 @@ def test_engines_get_cores_of_their_own_pool():
     assert core_binds(1, 3, [4, 5, 6]) == ["4", "5", "6", "5"]
     assert core_binds(3, 1, [0, 1, 2]) == ["0", "1", "0", "2"]
     assert core_binds(1, 1, [7]) == ["7", "7"]  # one core: nothing to separate
+
+
+def test_a_taken_port_is_named_with_its_holder_before_anything_starts(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        redis_port = free_port()
+        t0 = time.monotonic()
+        term = Terminal(["--port", str(port), "--redis-port", str(redis_port), "--metrics-port-base", "0"], tmp_path)
+        assert term.proc.wait(timeout=60) == 1
+        term.reader.join(timeout=10)
+        took = time.monotonic() - t0
+    out = "".join(term.lines)
+    assert f"port {port} (the gateway) is taken by pid {os.getpid()}" in out, out
+    assert "nothing was started" in out and "Traceback" not in out
+    assert "starting, pid" not in out and not _port_open(redis_port)  # no Redis, gateway or worker was started
+    assert took < 30, took  # found before any engine could have started (tens of seconds on a real one)

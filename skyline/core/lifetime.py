@@ -7,8 +7,13 @@ send a process a signal when its parent dies; the parent cannot, being dead.
 
 Two ways in: `skyline up` starts each child with `preexec_fn=parent_death_signal(SIGTERM)` (a
 worker then drains as on any SIGTERM), and a worker marks the vLLM engine processes it spawns
-through the environment (ENGINE_OWNER_PID), where Skyline's vLLM plugin arms SIGKILL in each of
-them (they hold no state worth a drain).
+through the environment (ENGINE_OWNER_PID), where SIGKILL is armed in each of them (they hold no
+state worth a drain) as early as Python lets us: `skyline/__init__.py`, which a spawned process
+imports while it re-creates its parent's main module, before it imports vLLM. Armed later (Skyline's
+vLLM plugin loads only after the engine core's handshake with its parent), a worker killed while
+its engine started left an engine core waiting for ever on a handshake nobody would answer, with
+vLLM's start-up handler ignoring SIGTERM. The plugin arms it again for processes whose main module
+is not Skyline's (an engine started in-process by a test).
 """
 
 from __future__ import annotations
@@ -59,3 +64,15 @@ def engine_process_ends_with_parent() -> None:
     owner = envs.ENGINE_OWNER_PID.get()
     if owner and owner != str(os.getpid()):
         die_with_parent(signal.SIGKILL)
+        if not _alive(int(owner)):  # the worker died before this process could ask (its parent may be the
+            os.kill(os.getpid(), signal.SIGKILL)  # engine core, itself still alive, or a subreaper)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

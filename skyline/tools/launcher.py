@@ -33,7 +33,7 @@ from skyline.core import envs
 from skyline.core.config import SkylineConfig
 from skyline.core.envs import skyline_home
 from skyline.core.lifetime import parent_death_signal
-from skyline.core.net import free_port
+from skyline.core.net import free_port, port_holder, port_taken
 from skyline.tools.progress import Console, LineFilter, Seen, rotate, tail
 from skyline.tools.redis_server import FLEET_USER, start_redis
 
@@ -275,6 +275,13 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     redis_proc = None
     console.line(f"skyline up: each process logs to {logs}/<name>.log"
                  + ("" if verbose else "; here: progress, warnings, errors (--verbose: everything)"))
+    taken = taken_ports(cfg, args)
+    if taken:  # found before anything starts: nothing to stop, no engine left behind
+        for what, port, holder in taken:
+            console.line(f"skyline up: port {port} ({what}) is taken by {holder}")
+        console.line("skyline up: stop that process, or choose other ports (--port, --redis-port, "
+                     "--metrics-port-base); nothing was started")
+        return 1
     try:  # from here: a Ctrl-C, even during the first run's model preparation, stops what started
         if not args.redis_url and not envs.REDIS_URL.is_set():
             # The fleet connects as a restricted ACL user (no admin commands); the
@@ -340,6 +347,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
                 break
             for child in restart:
                 _show_death(child, console, verbose)
+                _end_group(child)
                 children.remove(child)
                 console.line(f"skyline up: restarting {child.name} (exit {child.proc.returncode}; "
                              f"{len(exits[child.name])} of at most {MAX_RESTARTS} in {RESTART_WINDOW_S / 60:.0f} min); "
@@ -361,6 +369,26 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
+
+
+def taken_ports(cfg: SkylineConfig, args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(what, port, who holds it) for each port the fleet would listen on that is taken now."""
+    wanted = [("the gateway", args.host, args.port)]
+    if not args.redis_url and not envs.REDIS_URL.is_set():
+        wanted.append(("Redis", "127.0.0.1", args.redis_port))
+    for name, extra in plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base):
+        if "--metrics-port" in extra:
+            wanted.append((f"{name}'s metrics", "0.0.0.0", int(extra[extra.index("--metrics-port") + 1])))
+    return [(what, port, port_holder(port)) for what, host, port in wanted if port and port_taken(host, port)]
+
+
+def _end_group(child: Child) -> None:
+    """SIGKILL what is left of an ended child's process group: its vLLM engine processes, if the
+    child died before they could learn it (they end with it on their own: skyline/core/lifetime.py)."""
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
 
 
 def _show_death(child: Child, console: Console, verbose: bool) -> None:
@@ -391,6 +419,7 @@ def _stop_all(children: list[Child], drain_timeout_s: float) -> None:
                   f"(its log: {child.log})", file=sys.stderr, flush=True)
             os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
+        _end_group(child)
     for child in children:  # their last lines (how they stopped) reach their log files
         if child.relay is not None:
             child.relay.join(timeout=2)
