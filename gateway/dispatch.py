@@ -28,7 +28,7 @@ from skyline.gateway.affinity import CacheMatch, PlacedInFlight, look_up, placem
 from skyline.gateway.fleetview import START_HINT, FleetView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
-from skyline.gateway.prepare import Prepared, Serving, needed_roles
+from skyline.gateway.prepare import Prepared, Serving, needed_stages
 from skyline.gateway.ratelimit import TokenBudgets
 from skyline.gateway.relay import Relay, RelayUnavailable, Subscription
 from skyline.gateway.session import Session
@@ -114,11 +114,11 @@ class Dispatcher:
             if path != prep.route:
                 prep = replace(prep, route=path, request=replace(prep.request, route=path))
         prep = self._placed(prep, match)
-        missing = await fleet.missing(needed_roles(prep.route))
+        missing = await fleet.missing(needed_stages(prep.route))
         if fleet.error:
             raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")
         if missing:
-            hint = " and ".join(f"`{START_HINT[role]}`" for role in missing)
+            hint = " and ".join(f"`{START_HINT[stage]}`" for stage in missing)
             raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
                                 f"start one with {hint}", code="no_workers", headers={"Retry-After": "1"})
         if backlog is not None:
@@ -142,7 +142,7 @@ class Dispatcher:
         n = len(prep.request.prompt_token_ids)
         left = match.best_uncached("decode") if match else n
         faster = None
-        if backlog is not None and fleet.roles.get("prefill"):
+        if backlog is not None and fleet.stages.get("prefill"):
             def faster() -> bool:
                 seen = {stage: backlog_seen(backlog, stage, reserved) for stage in STAGES}
                 rates = {stage: pool_rate(fleet.workers, stage) for stage in STAGES}

@@ -19,13 +19,14 @@ from redis.exceptions import RedisError
 from skyline.core.fleet import WorkerInfo, list_workers
 from skyline.core.keys import Keys
 from skyline.core.streams import queued_tokens
+from skyline.scheduler.elastic import STAGES_OF_ROLE
 
 log = logging.getLogger("skyline.gateway.fleet")
 
-# The command an operator runs to bring up each role (used in 503 messages).
+# The command an operator runs to bring up a worker of each stage (used in 503 messages).
 START_HINT = {
-    "prefill": "skyline worker prefill",
-    "decode": "skyline worker decode",
+    "prefill": "skyline worker prefill` or `skyline worker elastic",
+    "decode": "skyline worker decode` or `skyline worker elastic",
 }
 
 
@@ -36,7 +37,8 @@ class FleetView:
         self.liveness_s = liveness_s
         self.refresh_s = refresh_s
         self.workers: list[WorkerInfo] = []
-        self.roles: Counter[str] = Counter()
+        self.roles: Counter[str] = Counter()  # live workers by role
+        self.stages: Counter[str] = Counter()  # live workers by the stage they consume (elastic: both)
         self.error: str | None = None  # last refresh failure (Redis down), None when healthy
         self.prefill_backlog_tokens = 0  # prompt tokens admitted to the prefill pool and not yet prefilled
         self.refreshed_at = 0.0
@@ -53,6 +55,7 @@ class FleetView:
             return
         self.workers = workers
         self.roles = Counter(w.role for w in workers)
+        self.stages = Counter(s for w in workers for s in STAGES_OF_ROLE.get(w.role, ()))
         self.error = None
         self.refreshed_at = time.monotonic()
 
@@ -71,9 +74,9 @@ class FleetView:
             await self.refresh()
 
     async def missing(self, needed: tuple[str, ...]) -> list[str]:
-        """Roles in `needed` with no live worker (after one fresh read if the cache says so)."""
-        absent = [role for role in needed if not self.roles.get(role)]
+        """Stages in `needed` with no live worker (after one fresh read if the cache says so)."""
+        absent = [stage for stage in needed if not self.stages.get(stage)]
         if absent and time.monotonic() - self.refreshed_at > 0.05:
             await self.refresh()
-            absent = [role for role in needed if not self.roles.get(role)]
+            absent = [stage for stage in needed if not self.stages.get(stage)]
         return absent

@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from skyline.core.keys import Keys
 from skyline.core.queues import read_streams
 from skyline.core.timeline import TimelineErrors
+from skyline.scheduler.elastic import ROLES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -95,7 +96,7 @@ class GatewayMetrics:
             self.queue_pending.labels(s.stage, s.tier).set(s.pending)
             self.queue_backlog_tokens.labels(s.stage, s.tier).set(s.backlog_tokens)
         self.dead_letters.set(await r.xlen(keys.dead))
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             self.workers.labels(role).set(roles.get(role, 0))
 
     def finished(self, tier: str, ttft_s: float | None, tpot_s: float | None, e2e_s: float, slo_met: bool) -> None:

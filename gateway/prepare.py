@@ -247,6 +247,6 @@ def _route(serving: Serving, request: Request, prompt_len: int) -> str:
     return route(serving.policy, prompt_len)
 
 
-def needed_roles(path: str) -> tuple[str, ...]:
-    """Worker roles a request on `path` passes through."""
+def needed_stages(path: str) -> tuple[str, ...]:
+    """Stages a request on `path` passes through (each needs a live worker that consumes it)."""
     return ("prefill", "decode") if path == "disagg" else ("decode",)

@@ -27,6 +27,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from skyline.scheduler.elastic import serves
 from skyline.scheduler.tiers import Slo, Tier
 
 
@@ -212,7 +213,7 @@ def pool_rate(workers: Iterable, stage: str) -> float | None:
     themselves); None until some worker has measured one. Unmeasured workers count at the mean."""
     n, rates = 0, []
     for w in workers:
-        if w.role == stage:
+        if serves(w.role, stage):
             n += 1
             if w.tokens_per_s > 0:
                 rates.append(w.tokens_per_s)

@@ -51,6 +51,8 @@ from itertools import compress, repeat
 from operator import mul, sub
 from typing import NamedTuple, Protocol
 
+from skyline.scheduler.elastic import serves
+
 # A worker whose KV cache is this full would evict to make room: not one to wait for (nor one whose
 # claim rule stops below it: a decode worker's `kv_watermark`, which its heartbeat carries).
 KV_FULL = 0.95
@@ -203,7 +205,7 @@ class StageLoads:
     __slots__ = ("ids", "positions", "ready", "ready_at", "running")
 
     def __init__(self, workers: Sequence[WorkerLoad], stage: str):
-        of_stage = [w for w in workers if w.role == stage]
+        of_stage = [w for w in workers if serves(w.role, stage)]
         self.ids = tuple(w.worker_id for w in of_stage)
         self.running = [w.running for w in of_stage]
         self.ready = [not overloaded(w) for w in of_stage]

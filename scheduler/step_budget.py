@@ -64,7 +64,7 @@ def background_tokens(setting: int, step_tokens: int, role: str = "decode") -> i
     longer on the 1-core prefill engine), and with conditional disaggregation short interactive
     prompts are computed on decode workers anyway; holding still applies there."""
     if setting < 0:
-        return step_tokens // 2 if role == "decode" else 0
+        return step_tokens // 2 if role in ("decode", "elastic") else 0  # engines that run streams
     return setting
 
 

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(up)
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg mode)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--elastic", type=int, default=0,
+                    help="elastic workers: each takes either phase, decided per request (docs/scheduling.md)")
     up.add_argument("--mode", choices=["disagg", "colocated"], help="disagg (default) or colocated")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     _openai_surface(gw)
 
     wk = sub.add_parser("worker", help="run a prefill or decode worker")
-    wk.add_argument("role", choices=["prefill", "decode"])
+    wk.add_argument("role", choices=["prefill", "decode", "elastic"],
+                    help="the stages it consumes: prefill, decode, or both (elastic: either phase, per request)")
     _common(wk)
     wk.add_argument("--worker-id", help="default <role>-<host>-<pid>")
     wk.add_argument("--max-running", type=int, help="requests held at once")

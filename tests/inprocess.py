@@ -16,19 +16,23 @@ from skyline.workers.prefill import PrefillHandler
 from skyline.workers.runtime import WorkerRuntime
 
 
-async def start_fleet(redis_url: str, key_prefix: str, timing: SimTiming, suffix: str, **worker_options):
-    """(cfg, redis client, [prefill runtime, decode runtime], tasks); workers are named `<role>-<suffix>`."""
+async def start_fleet(redis_url: str, key_prefix: str, timing: SimTiming, suffix: str,
+                      roles: tuple[str, ...] = ("prefill", "decode"), **worker_options):
+    """(cfg, redis client, a runtime per role of `roles`, tasks); workers are named `<role>-<suffix>`
+    (`<role>-<i>-<suffix>` for a role named more than once)."""
     cfg = SkylineConfig(key_prefix=key_prefix)
     # Short test prompts take the disaggregated path (the default prefills them on the decode worker).
     cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url),
                   worker=replace(cfg.worker, heartbeat_s=0.2, **worker_options),
                   gateway=replace(cfg.gateway, min_remote_prefill_tokens=0))
     runtimes, tasks = [], []
-    for role, handler in (("prefill", PrefillHandler), ("decode", DecodeHandler)):
-        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-{suffix}"))
+    for i, role in enumerate(roles):
+        name = f"{role}-{suffix}" if roles.count(role) == 1 else f"{role}-{i}-{suffix}"
+        rcfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id=name))
         rt = WorkerRuntime(rcfg, SimEngine(timing), "skyline-sim")
         runtimes.append(rt)
-        tasks.append(asyncio.create_task(rt.run(handler(rt.port), install_signals=False)))
+        handlers = {"prefill": PrefillHandler(rt.port), "decode": DecodeHandler(rt.port)}
+        tasks.append(asyncio.create_task(rt.run({s: handlers[s] for s in rt.stages}, install_signals=False)))
     client = aioredis.from_url(redis_url)
     await ensure_groups(client, Keys(key_prefix), cfg.tier_names)
     return cfg, client, runtimes, tasks

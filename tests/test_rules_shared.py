@@ -128,7 +128,7 @@ class LiveTwin:
 
     def _heads(self):
         """The heads of the live worker's streams as `TierQueues` reads them (each tier: stream or retry lane)."""
-        keys, stage, entries, owner = self.rt.keys, self.rt.stage, [], {}
+        keys, stage, entries, owner = self.rt.keys, self.rt.stages[0], [], {}
         for tier in self.q.tier_order:
             for lane, key in ((self.q.queues[tier], keys.stream(stage, tier)),
                               (self.q.retry[tier], keys.retry_stream(stage, tier))):

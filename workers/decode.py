@@ -95,7 +95,7 @@ class DecodeHandler:
 
     async def _serve(self, held: HeldRequest, source: _Source) -> None:
         claimed = held.claimed
-        work = claimed.message
+        work = held.work
         if not isinstance(work, messages.DecodeWork):
             await self.port.fail(held, 500, f"decode stream carried a {type(work).__name__}, expected decode work")
             return

@@ -33,7 +33,7 @@ GAUGES = {
     "skyline_worker_running": ("Requests this worker holds (claimed, not finished)", "running"),
     "skyline_worker_waiting": ("Requests waiting inside the engine", "waiting"),
     "skyline_worker_kv_usage": ("KV cache usage of the engine, 0..1", "kv_usage"),
-    "skyline_worker_prompt_tokens_in_flight": ("Prefill: prompt tokens held by the engine", "running_tokens"),
+    "skyline_worker_prompt_tokens_in_flight": ("Prompt tokens held by the engine (a prefill worker: all it holds; others: prompts being computed)", "running_tokens"),
     "skyline_worker_prefill_tokens_per_second": ("Prefill: measured throughput (0 = not measured yet)",
                                                  "tokens_per_s"),
 }

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from skyline.core import messages
+from skyline.core.stage_queues import stage_of_message
 from skyline.core.streams import Claimed
 
 
@@ -62,6 +63,14 @@ class HeldRequest:
     leaving: Exit | None = None
     cancel_delivered: bool = False  # the task's CancelledError reached the runtime's handler
     tombstone: asyncio.Task | None = None  # the check "did its client leave while it was queued?"
+    # The role's work it gets: "prefill" (compute the prompt, hand its KV on) or "decode" (stream its
+    # tokens, computing the prompt here if no KV comes with it). Its stage's, unless an elastic worker
+    # serves a prompt from the prefill streams whole (scheduler/elastic.py).
+    serve_as: str = ""
+    decode_on: str | None = None  # serve_as "prefill": the peer its hand-off is placed for (None: any)
+
+    def __post_init__(self) -> None:
+        self.serve_as = self.serve_as or self.stage
 
     @classmethod
     def of(cls, claimed: Claimed, phase: Phase) -> HeldRequest:
@@ -72,6 +81,20 @@ class HeldRequest:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def stage(self) -> str:
+        """The stage whose streams it was claimed from (and goes back to, if it is requeued)."""
+        return stage_of_message(self.claimed.message)
+
+    @property
+    def work(self) -> messages.Message:
+        """The message as its handler serves it: a request from the prefill streams served whole
+        here is decode work without a KV handle (its prompt computed here, as on the colocated route)."""
+        msg = self.claimed.message
+        if self.serve_as == "decode" and not isinstance(msg, messages.DecodeWork):
+            return messages.DecodeWork(request=self.request, kv_handle=None)
+        return msg
 
     @property
     def prompt_tokens(self) -> int:

@@ -49,7 +49,8 @@ async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> No
     engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers),
                           role=cfg.worker.role)
     rt = WorkerRuntime(cfg, engine, model_name)
-    handler = {"prefill": PrefillHandler, "decode": DecodeHandler}[rt.role](rt.port)
+    handlers = {"prefill": PrefillHandler, "decode": DecodeHandler}
+    handler = {stage: handlers[stage](rt.port) for stage in rt.stages}
     # Up before the engine starts, so that orchestrators' liveness probes pass during start-up.
     endpoint = WorkerEndpoint(rt, cfg.worker.advertise_host or "127.0.0.1", cfg.worker.metrics_port)
     endpoint.registry.register(rt.metrics.registry)  # event metrics (workers/observe.py) next to the load gauges

@@ -15,7 +15,8 @@ import asyncio
 import logging
 
 from skyline.core import messages
-from skyline.core.streams import entry_fields, now_ms
+from skyline.core.streams import entry_fields, now_ms, open_lanes
+from skyline.scheduler.elastic import HANDOFF_HOLD_MS
 from skyline.workers import observe
 from skyline.workers.engines.base import EngineRequest
 from skyline.workers.held import HeldRequest
@@ -47,14 +48,22 @@ class PrefillHandler:
             request=req, kv_handle=result.kv_handle, prefill_worker=self.port.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,
         )
-        stream = self.port.keys.stream("decode", req.tier)
+        keys, fields, peer = self.port.keys, entry_fields(work), held.decode_on
+        stream = keys.stream("decode", req.tier) if peer is None else keys.affinity_lane("decode", req.tier, peer)
+        if peer is not None:  # placed for the peer an elastic worker chose; anyone's past the hold
+            fields["affinity"], fields["until_ms"] = peer, now_ms() + HANDOFF_HOLD_MS
         t_handoff = observe.prefill_finished(self.port, req, work, result.cached_tokens)
+
+        async def hand_off() -> str | None:
+            if peer is not None:  # its lane is read only once it exists (and again after a Redis restart)
+                await open_lanes(self.port.redis, keys, "decode", (req.tier,), peer)
+            return await self.port.runs.hand_off(req.request_id, stream, fields, self.port.worker_id,
+                                                 self.port.cfg.redis.stream_maxlen)
+
         # A Redis restart meanwhile must not waste the prefill: the hand-off is done once per
         # request however often it is sent, so it is retried until Redis is back (outage.py).
-        handing = asyncio.ensure_future(ride_out(
-            lambda: self.port.runs.hand_off(req.request_id, stream, entry_fields(work), self.port.worker_id,
-                                          self.port.cfg.redis.stream_maxlen),
-            self.port.cfg.redis.outage_grace_s, f"handing {req.request_id} off"))
+        handing = asyncio.ensure_future(ride_out(hand_off, self.port.cfg.redis.outage_grace_s,
+                                                 f"handing {req.request_id} off"))
         try:
             entry = await asyncio.shield(handing)
         except asyncio.CancelledError:

@@ -29,20 +29,22 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
 from skyline.core import messages, redisconn
 from skyline.core.config import SkylineConfig
-from skyline.core.fleet import WorkerInfo, deregister, heartbeat
+from skyline.core.fleet import WorkerInfo, deregister, heartbeat, list_workers
 from skyline.core.keys import Keys
 from skyline.core.stopping import STOP_STEP_S, bounded_step
-from skyline.core.streams import TierQueues, enqueue, ensure_groups, now_ms
+from skyline.core.stage_queues import StageQueues
+from skyline.core.streams import TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
 from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.elastic import decoder_for
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
@@ -71,15 +73,22 @@ class WorkerRuntime:
         self.cfg = cfg
         self.engine = engine
         self.role = role
-        self.stage = self.rules.stage
+        self.stages = self.rules.stages
         self.keys = Keys(cfg.key_prefix)
         self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
-        self.queues = TierQueues(self.redis, self.keys, self.stage, cfg.tiers, self.worker_id,
-                                 liveness_s=cfg.worker.reclaim_after_s)
+        # One stage's tier streams, or both an elastic worker consumes, claimed in one EDF order.
+        self.stage_queues = [TierQueues(self.redis, self.keys, s, cfg.tiers, self.worker_id,
+                                        liveness_s=cfg.worker.reclaim_after_s) for s in self.stages]
+        self.queues: TierQueues | StageQueues = (
+            self.stage_queues[0] if len(self.stage_queues) == 1
+            else StageQueues({q.stage: q for q in self.stage_queues}))
         self.runs = Runs(self.redis, self.keys, cfg.redis.run_ttl_s, cfg.redis.outage_grace_s)
-        self.take = (functools.partial(self.runs.take, worker_id=self.worker_id)
-                     if self.rules.claims_run_with_entry else None)
+        # A decode claim takes the entry and its request's run in one round trip (workers/runs.py).
+        self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if "decode" in self.stages else None
+        self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
+        self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
+        self.prefill_backlog = 0  # prompt tokens queued or computing for the prefill stage, same age
         self.held = HeldTable()  # every request this worker holds, one record each (workers/held.py)
         self.meter = ThroughputMeter()  # prompt tokens per busy second of the prompts computed here
         self.pace = TokenPaceMeter(cfg.worker.tpot_window_s)  # decode: time per output token of the streams
@@ -106,7 +115,7 @@ class WorkerRuntime:
             max_running=cfg.worker.max_running,
             kv_watermark=cfg.worker.kv_watermark if self.rules.has_kv_watermark else 0.0,
         )
-        self.handle: Handler | None = None
+        self.handlers: dict[str, Handler] = {}  # what each stage's work is served by (held.serve_as)
         self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts
         self.port = WorkerPort(cfg=cfg, worker_id=self.worker_id, keys=self.keys, redis=self.redis, engine=engine,
                                runs=self.runs, timeline=self.timeline, meter=self.meter, pace=self.pace,
@@ -115,10 +124,13 @@ class WorkerRuntime:
 
     # -- lifecycle ---------------------------------------------------------
 
-    async def run(self, handle: Handler, install_signals: bool = True) -> None:
-        self.handle = handle
+    async def run(self, handle: Handler | Mapping[str, Handler], install_signals: bool = True) -> None:
+        """Serve until stopped. `handle`: the role's handler, or one per stage's work ("prefill", "decode")."""
+        self.handlers = dict(handle) if isinstance(handle, Mapping) else {s: handle for s in self.stages}
         await self.engine.start()
-        await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
+        await self._ensure_groups()
+        if self.elastic:  # its lanes exist before any peer places a hand-off there: watched from the start
+            await open_lanes(self.redis, self.keys, "decode", self.cfg.tier_names, self.worker_id)
         if self.cfg.worker.cache_view_max_blocks > 0:  # the gateway places by prefix only where a view is kept
             self.info.cache_block_size = self.engine.cache_block_size
         if install_signals:
@@ -257,31 +269,33 @@ class WorkerRuntime:
         req, msg = held.request, held.claimed.message
         again_req = dataclasses.replace(req, preemptions=req.preemptions + 1)
         again = (dataclasses.replace(msg, request=again_req) if isinstance(msg, messages.DecodeWork) else again_req)
-        await enqueue(self.redis, self.keys, self.stage, again, self.cfg.redis.stream_maxlen, retry=True)
-        self.timeline.emit(req.request_id, "requeued", stage=self.stage, tier=req.tier, reason="preempted")
+        await enqueue(self.redis, self.keys, held.stage, again, self.cfg.redis.stream_maxlen, retry=True)
+        self.timeline.emit(req.request_id, "requeued", stage=held.stage, tier=req.tier, reason="preempted")
         await self.queues.ack(held.claimed)
 
     async def _hand_back(self, held: HeldRequest) -> None:
         """Return a request this worker will not finish to its tier's retry lane as a new entry.
         The same message: a decode takeover finds the tokens already sent in the
         request's output log and resumes from there."""
-        await enqueue(self.redis, self.keys, self.stage, held.claimed.message,  # type: ignore[arg-type]
+        await enqueue(self.redis, self.keys, held.stage, held.claimed.message,  # type: ignore[arg-type]
                       self.cfg.redis.stream_maxlen, retry=True)
-        self.timeline.emit(held.request_id, "requeued", stage=self.stage, reason="drain")
+        self.timeline.emit(held.request_id, "requeued", stage=held.stage, reason="drain")
         await self.queues.ack(held.claimed)
 
     async def _reap(self, room: asyncio.Event) -> None:
         """Take over entries of workers that died or stalled, as far as there is room."""
         wc = self.cfg.worker
-        limit = wc.max_running - len(self.held)
         got_back = []
-        if not self.reaped_once:  # first: what an earlier process under this worker's id left pending
-            self.reaped_once = True
-            got_back = await reclaim_previous_life(self.queues, limit)
-        for got in got_back + await reclaim(self.queues, wc.reclaim_after_s, limit - len(got_back)):
+        first = not self.reaped_once
+        self.reaped_once = True
+        for queues in self.stage_queues:
+            if first:  # first: what an earlier process under this worker's id left pending
+                got_back += await reclaim_previous_life(queues, wc.max_running - len(self.held) - len(got_back))
+            got_back += await reclaim(queues, wc.reclaim_after_s, wc.max_running - len(self.held) - len(got_back))
+        for got in got_back:
             held = HeldRequest.of(got.claimed, self.rules.first_phase(got.claimed.message))
             self.counters["reclaimed"] += 1
-            self.timeline.emit(held.request_id, "reclaimed", stage=self.stage, from_worker=got.previous_owner,
+            self.timeline.emit(held.request_id, "reclaimed", stage=held.stage, from_worker=got.previous_owner,
                                delivery=got.deliveries)
             if got.deliveries > wc.max_deliveries:
                 self.counters["dead_lettered"] += 1
@@ -316,7 +330,8 @@ class WorkerRuntime:
                 try:
                     await self._reap(room)
                     if reaps % 30 == 0:
-                        await forget_departed(self.queues, max(60.0, self.cfg.worker.heartbeat_ttl_s))
+                        for queues in self.stage_queues:
+                            await forget_departed(queues, max(60.0, self.cfg.worker.heartbeat_ttl_s))
                 except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                     log.warning("reclaim check failed: %s", exc)
             if not self.has_room():
@@ -343,7 +358,7 @@ class WorkerRuntime:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("consumer groups missing (Redis restarted?); recreating")
-                await ensure_groups(self.redis, self.keys, self.cfg.tier_names, self.stage)
+                await self._ensure_groups()
                 continue
             if claimed is None:
                 # Only other tiers' entries may be waiting: claim any tier at once if the shield lifts,
@@ -355,6 +370,19 @@ class WorkerRuntime:
             if self.preemption.enabled and held.computing:  # it will compete for the step budget
                 await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
             self._start(held, room)
+
+    def _place_decode(self, held: HeldRequest) -> None:
+        """An elastic worker's prompt from the prefill streams: decode it here (served whole, no KV
+        moves) or on a peer (computed here, its KV handed to that peer): scheduler/elastic.py."""
+        mine = sum(h.prompt_tokens for h in self.held if h.stage == "prefill") + held.claimed.prefill_tokens
+        streams = sum(1 for h in self.held if h.serve_as == "decode")  # decoded here, or to be
+        peer = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine)
+        held.serve_as, held.decode_on = ("prefill", peer) if peer else ("decode", None)
+        self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, streams_here=streams)
+
+    async def _ensure_groups(self) -> None:
+        for stage in self.stages:
+            await ensure_groups(self.redis, self.keys, self.cfg.tier_names, stage)
 
     def hold(self, held: HeldRequest, task: asyncio.Task) -> None:
         """Count a claimed request as held from now: what the claim rule and preemption see."""
@@ -370,7 +398,9 @@ class WorkerRuntime:
             pass  # the request's own Redis calls meet the same outage and fail it visibly
 
     def _start(self, held: HeldRequest, room: asyncio.Event) -> None:
-        observe.claimed(self, self.stage, held.request, held.claimed.entry_id)
+        observe.claimed(self, held.stage, held.request, held.claimed.entry_id)
+        if self.elastic and held.stage == "prefill":
+            self._place_decode(held)
         self.hold(held, asyncio.create_task(self._serve(held, room), name=f"{self.role}:{held.request_id}"))
 
     async def _serve(self, held: HeldRequest, room: asyncio.Event) -> None:
@@ -379,7 +409,10 @@ class WorkerRuntime:
         rid = held.request_id
         held.tombstone = asyncio.create_task(self._cancel_if_tombstoned(held))
         try:
-            if self.rules.checks_tombstone_first:
+            if held.serve_as == "prefill":
+                # What a prefill makes (KV blocks, a handle) outlives it: ask first. A decode asks beside
+                # its first steps, saving every request a round trip before its first token: all it makes
+                # goes to the client, so a yes cancels it as a cancel message would.
                 await asyncio.shield(held.tombstone)
             if self._too_late(held):
                 self._count(Exit.DROPPED_LATE)
@@ -388,8 +421,7 @@ class WorkerRuntime:
                                            "drops late requests rather than serve them late; retry later",
                                 code="deadline_exceeded", dead_letter=False)
                 return
-            assert self.handle is not None
-            await self.handle(held)
+            await self.handlers[held.serve_as](held)
             self._count(Exit.COMPLETED)
         except Fenced as exc:
             # Taken over by another worker (we were presumed dead): it owns the entry now.
@@ -405,7 +437,7 @@ class WorkerRuntime:
                 self._count(Exit.HANDED_BACK)
             else:
                 self._count(Exit.CANCELLED)
-                self.timeline.emit(rid, "cancelled", phase=self.stage)
+                self.timeline.emit(rid, "cancelled", phase=held.stage)
                 await self.queues.ack(held.claimed)  # cancelled by the client: nothing left to deliver
         except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
             log.exception("request %s failed", rid)
@@ -443,7 +475,7 @@ class WorkerRuntime:
             if dead_letter:
                 pipe.xadd(
                     self.keys.dead,
-                    {"id": rid, "stage": self.stage, "worker": self.worker_id, "error": detail or message,
+                    {"id": rid, "stage": held.stage, "worker": self.worker_id, "error": detail or message,
                      "msg": messages.encode(held.claimed.message)},
                     maxlen=10_000, approximate=True,
                 )
@@ -473,6 +505,9 @@ class WorkerRuntime:
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
+        if self.elastic:  # what placing a prompt's decode reads (`_place_decode`), as fresh as the heartbeat
+            self.peers = await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s)
+            self.prefill_backlog = sum((await queued_tokens(self.redis, self.keys, "prefill")).values())
 
     async def _heartbeat_loop(self) -> None:
         while True:

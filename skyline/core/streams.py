@@ -7,7 +7,7 @@ module only observes the stream heads and moves entries.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,18 @@ async def enqueue(
     return _s(entry_id)
 
 
+async def open_lanes(r: aioredis.Redis, keys: Keys, stage: str, tiers: Iterable[str], worker_id: str) -> None:
+    """Make `worker_id`'s affinity lanes of `stage` (their consumer group) and list them for the
+    stage's workers: what must exist before work is placed there, or nobody would read it."""
+    pipe = r.pipeline(transaction=False)
+    for tier in tiers:
+        pipe.xgroup_create(keys.affinity_lane(stage, tier, worker_id), Keys.group(stage), id="0", mkstream=True)
+    pipe.sadd(keys.affinity_lanes(stage), worker_id)
+    for result in await pipe.execute(raise_on_error=False):
+        if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
+            raise result
+
+
 def _backlog_moves(reserved: Reservation | None, stage: str, tier: str, tokens: int) -> list[tuple[str, int]]:
     """The backlog increments that leave (`stage`, `tier`) holding the entry's `tokens`
     in place of what was `reserved` for it."""
@@ -234,6 +246,9 @@ class TierQueues:
         self.retry_lanes = {keys.retry_stream(stage, t) for t in self.tier_names}
         self.live: set[str] = set()
         self.deferred_until_ms = 0  # the earliest bound of a head placed for another worker (0 = none)
+        # After a peek: the lanes (key -> last-delivered id) with nothing this consumer may claim yet at
+        # their head, to wait on (a lane whose head is placed for another worker is not among them).
+        self.open_lanes: dict[str, str] = {}
         self._lanes_read_at = -LANES_REFRESH_S
 
     async def refresh_lanes(self) -> None:
@@ -276,15 +291,15 @@ class TierQueues:
         last = await self._last_delivered()
         resp = await self.r.xread(last, count=1, block=block_ms or None)
         heads = self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
+        waiting = {_s(key) for key, _entries in resp or []}
+        self.open_lanes = {k: v for k, v in last.items() if k not in waiting}
         if heads or not self.deferred_until_ms or not block_ms:
             return heads
         # Only work placed for other workers is waiting: watch the lanes this consumer may take from,
         # until the first of those bounds passes.
-        waiting = {_s(key) for key, _entries in resp or []}
-        open_lanes = {k: v for k, v in last.items() if k not in waiting}
         # Never empty: the shared lanes are always open (a head there is claimable, so none came back).
         timeout = max(1, min(block_ms, self.deferred_until_ms - now_ms()))
-        resp = await self.r.xread(open_lanes, count=1, block=timeout)
+        resp = await self.r.xread(self.open_lanes, count=1, block=timeout)
         return self.heads_of((_s(key), fields) for key, entries in resp or [] for _entry_id, fields in entries)
 
     def heads_of(self, entries) -> dict[str, Head]:
@@ -327,7 +342,11 @@ class TierQueues:
         tier = self.pick(heads, tiers)
         if tier is None:
             return None
-        head = heads[tier]
+        return await self.claim_head(heads[tier], take)
+
+    async def claim_head(self, head: Head, take: Take | None = None) -> Claimed | None:
+        """Claim the entry at `head` (a head `peek_heads` found), or None if another worker took it first."""
+        tier = head.tier
         if take is not None:
             got = await take(head.stream, self.group, self.consumer, head.request_id)
             if got is None:

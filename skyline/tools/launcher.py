@@ -35,6 +35,7 @@ from skyline.core.envs import skyline_home
 from skyline.core.lifetime import parent_death_signal
 from skyline.core.net import free_port, port_holder, port_taken
 from skyline.tools.progress import Console, LineFilter, Seen, rotate, tail
+from skyline.scheduler.elastic import ROLES as WORKER_ROLES
 from skyline.tools.redis_server import FLEET_USER, start_redis
 
 
@@ -65,14 +66,15 @@ def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
 
 
 def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
-                 metrics_port_base: int = METRICS_PORT_BASE) -> list[tuple[str, list[str]]]:
-    """(name, extra CLI args) per worker. Real engines are pinned to cores (`core_binds`); each
-    worker gets its own metrics port (`metrics_port_base` + i; 0 = free ports)."""
+                 metrics_port_base: int = METRICS_PORT_BASE, n_elastic: int = 0) -> list[tuple[str, list[str]]]:
+    """(name, extra CLI args) per worker. Real engines are pinned to cores (`core_binds`: elastic
+    engines as decode engines, they run streams); each worker gets its own metrics port
+    (`metrics_port_base` + i; 0 = free ports)."""
     if cfg.gateway.mode == "colocated":
         n_prefill = 0
     plan = []
-    roles = ["prefill"] * n_prefill + ["decode"] * n_decode
-    binds = core_binds(n_prefill, n_decode, _cores())
+    roles = ["prefill"] * n_prefill + ["decode"] * n_decode + ["elastic"] * n_elastic
+    binds = core_binds(n_prefill, n_decode + n_elastic, _cores())
     for i, role in enumerate(roles):
         args = [role]
         if cfg.engine.kind == "vllm":
@@ -107,7 +109,7 @@ class Child:
     """One process `up` started: all its output goes to `log`; the terminal gets what `_relay` lets through."""
 
     name: str
-    role: str  # gateway, prefill, decode or batch
+    role: str  # gateway, prefill, decode, elastic or batch
     proc: subprocess.Popen
     log: Path
     relay: threading.Thread | None = None
@@ -314,7 +316,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
               *_openai_surface_args(cfg)]
         t0 = time.monotonic()
         spawn("gateway", "gateway", gw)
-        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base)
+        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, getattr(args, "elastic", 0))
         for name, extra in plan:
             spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:]])
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -342,7 +344,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
             now = time.monotonic()
             for child in dead:
                 exits[child.name] = [t for t in exits.get(child.name, []) if now - t < RESTART_WINDOW_S] + [now]
-            restart = [c for c in dead if c.role in ("prefill", "decode") and len(exits[c.name]) <= MAX_RESTARTS]
+            restart = [c for c in dead if c.role in WORKER_ROLES and len(exits[c.name]) <= MAX_RESTARTS]
             if len(restart) < len(dead):
                 break
             for child in restart:
@@ -376,7 +378,7 @@ def taken_ports(cfg: SkylineConfig, args: argparse.Namespace) -> list[tuple[str,
     wanted = [("the gateway", args.host, args.port)]
     if not args.redis_url and not envs.REDIS_URL.is_set():
         wanted.append(("Redis", "127.0.0.1", args.redis_port))
-    for name, extra in plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base):
+    for name, extra in plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, getattr(args, "elastic", 0)):
         if "--metrics-port" in extra:
             wanted.append((f"{name}'s metrics", "0.0.0.0", int(extra[extra.index("--metrics-port") + 1])))
     return [(what, port, port_holder(port)) for what, host, port in wanted if port and port_taken(host, port)]

@@ -83,7 +83,7 @@ def render(snap: dict) -> str:
         lines.append(f"{w['worker_id'][:28]:<28} {w['role']:<8} {w['engine']:<6} {w['running']:>7} {bar:<12} "
                      f"{w['waiting']:>7} {w['kv_usage'] * 100:>4.0f}% {rate:>7} {now - w['last_seen']:>5.1f}s")
     if not snap["workers"]:
-        lines.append("(no live workers: start one with `skyline worker prefill|decode`)")
+        lines.append("(no live workers: start one with `skyline worker elastic|prefill|decode`)")
     return "\n".join(line[:WIDTH].rstrip() for line in lines)
 
 

@@ -1,0 +1,68 @@
+"""Elastic workers: one engine takes either phase, and where a prompt's decode runs is decided per request.
+
+A worker's role says which stages it consumes: a `prefill` worker the prefill
+streams, a `decode` worker the decode streams, an `elastic` worker both, in one
+earliest-deadline-first order over their heads. So no engine idles while work
+it could start waits in either stage.
+
+An elastic worker that claims a prompt from the prefill streams (a prompt long
+enough to be worth moving: scheduler/disagg.py) computes it, then decodes it
+either itself or on a peer (`decoder_for`). It hands the decode on when a peer
+with room decodes fewer streams than it does, or as many while prompts are
+queued for the fleet: this engine is then better used on the next prompt, and
+the streams stay where no long prompt interrupts them. Otherwise the request
+stays: no KV moves, nothing waits for a hand-off. The hand-off is placed for that
+peer (its affinity lane, scheduler/prefix.py), so the engine that computed the
+prompt does not claim it back; past `HANDOFF_HOLD_MS` any worker may.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+STAGES_OF_ROLE = {"prefill": ("prefill",), "decode": ("decode",), "elastic": ("decode", "prefill")}
+ROLES = tuple(STAGES_OF_ROLE)
+
+# How long a hand-off placed for a peer waits for it before any worker of the stage may claim it (the
+# peer had room when it was chosen: it claims within a loop turn unless it died or filled up).
+HANDOFF_HOLD_MS = 1_000
+
+
+def serves(role: str, stage: str) -> bool:
+    """Does a worker of `role` consume `stage`'s streams?"""
+    return stage in STAGES_OF_ROLE.get(role, ())
+
+
+class PeerLoad(Protocol):
+    """What a peer's heartbeat says (the live `WorkerInfo`, or a simulated worker's)."""
+
+    worker_id: str
+    role: str
+    running: int
+    max_running: int
+    kv_usage: float
+    kv_watermark: float  # 0: it claims at any KV usage
+
+
+def has_room(peer: PeerLoad) -> bool:
+    """Would the peer claim one more decode (its claim rule's count and KV watermark)?"""
+    if peer.max_running and peer.running >= peer.max_running:
+        return False
+    return not (peer.kv_watermark and peer.kv_usage >= peer.kv_watermark)
+
+
+def decoder_for(me: str, my_streams: int, peers: Iterable[PeerLoad], prompts_queued: bool) -> str | None:
+    """Where an elastic worker `me`, decoding `my_streams` requests, decodes a prompt it computes:
+    None = itself, else the id of the peer that should (fewest streams, the first of equals)."""
+    best: PeerLoad | None = None
+    for p in peers:
+        if p.worker_id == me or not serves(p.role, "decode") or not has_room(p):
+            continue
+        if best is None or p.running < best.running:
+            best = p
+    if best is None:
+        return None
+    if best.running < my_streams or (prompts_queued and best.running <= my_streams):
+        return best.worker_id
+    return None

@@ -1,0 +1,95 @@
+"""The tier streams of every stage an elastic worker consumes, claimed in one earliest-deadline-first order.
+
+An elastic worker (scheduler/elastic.py) consumes the prefill and the decode
+streams. Each stage keeps its own consumer group, retry lanes and affinity lanes
+(`TierQueues`); this claims from them as one queue: the head due first wins, and
+of heads due together the decode stage's (a stream already started finishes
+before a new prompt begins). It blocks on the lanes of both stages at once, so
+an idle worker wakes for work of either.
+"""
+
+from __future__ import annotations
+
+from skyline.core import messages
+from skyline.core.streams import Claimed, Head, Take, TierQueues, now_ms
+from skyline.scheduler.edf import pick_tier
+
+STAGE_ORDER = ("decode", "prefill")  # of heads due at the same time, the first stage's is claimed first
+
+
+def stage_of_message(msg: messages.Message) -> str:
+    """The stage whose streams carry `msg`: requests wait for a prefill, decode work for a decode."""
+    return "decode" if isinstance(msg, messages.DecodeWork) else "prefill"
+
+
+class StageQueues:
+    def __init__(self, by_stage: dict[str, TierQueues]):
+        self.by_stage = {s: by_stage[s] for s in STAGE_ORDER if s in by_stage}
+        first = next(iter(self.by_stage.values()))
+        self.r, self.keys, self.consumer = first.r, first.keys, first.consumer
+        self.tier_names = first.tier_names
+
+    def of(self, claimed: Claimed) -> TierQueues:
+        return self.by_stage[stage_of_message(claimed.message)]
+
+    async def peek_all(self, block_ms: int) -> list[tuple[str, Head]]:
+        """(stage, head) of every tier of every stage with an entry this consumer may claim; waits up to
+        `block_ms` for one to appear in any of them when there is none (0 = do not wait)."""
+        heads = await self._peek(0)
+        if heads or not block_ms:
+            return heads
+        lanes: dict[str, str] = {}
+        bound = 0
+        for q in self.by_stage.values():
+            lanes.update(q.open_lanes)
+            if q.deferred_until_ms:
+                bound = min(bound or q.deferred_until_ms, q.deferred_until_ms)
+        timeout = max(1, min(block_ms, bound - now_ms())) if bound else block_ms
+        if await self.r.xread(lanes, count=1, block=timeout):
+            return await self._peek(0)
+        return await self._peek(0) if bound else []
+
+    async def _peek(self, block_ms: int) -> list[tuple[str, Head]]:
+        out = []
+        for stage, q in self.by_stage.items():
+            out += [(stage, h) for h in (await q.peek_heads(block_ms)).values()]
+        return out
+
+    def pick(self, heads: list[tuple[str, Head]], tiers: tuple[str, ...] | None = None) -> tuple[str, Head] | None:
+        """The head to claim: earliest deadline first over every stage (the tiers' EDF, `pick_tier`, within
+        each deadline), the decode stage first among equals; among `tiers` only, if given."""
+        best: tuple[str, Head] | None = None
+        for stage, head in heads:
+            if tiers is not None and head.tier not in tiers:
+                continue
+            if best is None or head.deadline_ms < best[1].deadline_ms:
+                best = (stage, head)
+            elif head.deadline_ms == best[1].deadline_ms and best[0] == stage:
+                tier = pick_tier({best[1].tier: best[1].deadline_ms, head.tier: head.deadline_ms}, self.tier_names)
+                if tier == head.tier:
+                    best = (stage, head)
+        return best
+
+    async def peek_heads(self, block_ms: int) -> dict[str, Head]:
+        """tier -> its head due first over every stage (what a full worker's preemption check reads)."""
+        out: dict[str, Head] = {}
+        for _stage, head in await self.peek_all(block_ms):
+            seen = out.get(head.tier)
+            if seen is None or head.deadline_ms < seen.deadline_ms:
+                out[head.tier] = head
+        return out
+
+    async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
+                    take: Take | None = None) -> Claimed | None:
+        """Claim the head due first over every stage (`take`: for the decode stage's entries)."""
+        chosen = self.pick(await self.peek_all(block_ms), tiers)
+        if chosen is None:
+            return None
+        stage, head = chosen
+        return await self.by_stage[stage].claim_head(head, take if stage == "decode" else None)
+
+    async def ack(self, claimed: Claimed) -> bool:
+        return await self.of(claimed).ack(claimed)
+
+    async def release_prefill(self, claimed: Claimed) -> None:
+        await self.of(claimed).release_prefill(claimed)
