@@ -132,7 +132,7 @@ def prefill_cap(threshold: int, step_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: str = "decode"  # "prefill" or "decode"
+    role: str = "decode"  # "prefill", "decode" or "elastic" (both stages: scheduler/elastic.py)
     worker_id: str = ""  # "" = <role>-<host>-<pid>
     max_running: int = 32  # decode: sequences in the engine at once; prefill: prompts at once
     # prefill: prompt tokens handed to the engine at once. Small on purpose: the

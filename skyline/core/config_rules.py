@@ -159,7 +159,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "kind"): ("vllm", "sim"),
     ("engine", "dtype"): ("auto", "float32", "float16", "bfloat16", "half", "float"),
-    ("worker", "role"): ("prefill", "decode"),
+    ("worker", "role"): ("prefill", "decode", "elastic"),
     ("gateway", "mode"): ("disagg", "colocated"),
     ("observability", "log_format"): ("text", "json"),
 }

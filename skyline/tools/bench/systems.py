@@ -56,6 +56,7 @@ class SystemSpec:
     engines: int = 1
     affinity: bool = True  # skyline fleets: [gateway] prefix_affinity
     block_size: int = 0  # vLLM engines' KV block (--block-size, Skyline's [engine] kv_block_size); 0 = vLLM's default
+    elastic: int = 0  # skyline fleets: elastic workers instead of prefill + decode pools (one core each)
 
 
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
@@ -80,6 +81,9 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("skyline-disagg-no-affinity", "skyline", "skyline", mode="disagg", affinity=False),
     SystemSpec("sim-disagg-affinity", "skyline", "skyline", engine="sim", mode="disagg"),
     SystemSpec("sim-disagg-no-affinity", "skyline", "skyline", engine="sim", mode="disagg", affinity=False),
+    # Two elastic workers, one core each: every engine takes either phase (scheduler/elastic.py).
+    SystemSpec("skyline-elastic", "skyline", "skyline", mode="disagg", elastic=DEFAULT_ENGINES),
+    SystemSpec("sim-elastic", "skyline", "skyline", engine="sim", mode="disagg", elastic=DEFAULT_ENGINES),
 )}
 DEFAULT_SYSTEMS = ("vllm-fcfs", "vllm-priority", "skyline-colocated", "skyline-disagg")
 
@@ -259,13 +263,14 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     # N decode workers (engines > 1) = one core each.
     cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
     run.key_prefix = cfg.key_prefix
-    plan = plan_workers(cfg, 1, spec.engines)
+    plan = plan_workers(cfg, 0, 0, n_elastic=spec.elastic) if spec.elastic else plan_workers(cfg, 1, spec.engines)
     for name, extra in plan:
         _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)
     _spawn(run, "gateway", [*cli, "gateway", *common, "--port", str(gport), "--mode", spec.mode], log_dir)
     # stop() signals in list order: workers were added first, so they drain before the gateway goes.
     run.url = f"http://127.0.0.1:{gport}"
-    want = {"decode": spec.engines, **({"prefill": 1} if spec.mode == "disagg" else {})}
+    want = ({"elastic": spec.elastic} if spec.elastic
+            else {"decode": spec.engines, **({"prefill": 1} if spec.mode == "disagg" else {})})
 
     def ready() -> bool:
         workers = httpx.get(f"{run.url}/health", timeout=2).json().get("workers", {})
