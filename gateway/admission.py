@@ -39,9 +39,17 @@ def apply_admission(
     releases the reservation of a refused request, and the enqueue moves a demoted one's to its new tier."""
     req = prep.request
     stage, tokens = stage_of(prep.route), prep.prefill_tokens  # what its prefix cache does not hold
-    d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, req.ttft_ms, tokens, stage, backlog,
-                              pool_rate(fleet.workers, stage), calibration, prep.allow_demotion, handoff_ms)
+    # A request that asked for no SLO is held to no TTFT target, only to the wait it may take.
+    target_ms = int(best_effort_wait_s(cfg) * 1000) if req.best_effort else req.ttft_ms
+    d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, target_ms, tokens, stage, backlog,
+                              pool_rate(fleet.workers, stage), calibration, prep.allow_demotion and not req.best_effort,
+                              handoff_ms)
     metrics.admission.labels(req.tier, d.action).inc()
+    if d.action == "reject" and req.best_effort:
+        raise ApiError(429, f"the queue ahead would hold this request (it asks for no SLO) about "
+                            f"{d.predicted_ttft_ms / 1000:.0f} s before its first token, past [gateway] "
+                            f"best_effort_max_wait_s = {best_effort_wait_s(cfg):g} s; retry later",
+                       type="rate_limit_error", code="queue_full", headers={"Retry-After": str(d.retry_after_s)})
     if d.action == "reject":
         raise ApiError(429, f"{d.reason}; retry later or send x-slo-allow-demotion: true to accept a looser tier",
                        type="rate_limit_error", code="slo_unattainable", headers={"Retry-After": str(d.retry_after_s)})
@@ -54,6 +62,11 @@ def apply_admission(
                       deadline_ms=req.arrival_ms + slo.ttft_ms)
         return replace(prep, request=req, slo=slo, admission="demote", predicted_ttft_ms=d.predicted_ttft_ms)
     return replace(prep, predicted_ttft_ms=d.predicted_ttft_ms, model_ttft_ms=model_ttft_ms)
+
+
+def best_effort_wait_s(cfg: SkylineConfig) -> float:
+    """The longest predicted wait a request with no SLO is admitted for (`[gateway] best_effort_max_wait_s`)."""
+    return cfg.gateway.best_effort_max_wait_s or cfg.gateway.request_timeout_s
 
 
 def learn(calibration: TtftCalibration, session: Any, status: int, fin: messages.Finished | None) -> None:

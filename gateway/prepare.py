@@ -196,12 +196,22 @@ def prepare(serving: Serving, kind: str, request: Request, spec: SloSpec | None,
         priority=slo.priority,
         route=path,
         cache_salt=cache_salt,
+        best_effort=not asks_for_slo(request, spec),
     )
     demotion = request.headers.get("x-slo-allow-demotion", "").lower() in ("1", "true", "yes") or bool(
         spec and spec.allow_demotion)
     return Prepared(kind, gen, slo, path, stream, include_usage, int(time.time()), t_arrival,
                     allow_demotion=demotion, route_fixed="x-skyline-route" in request.headers,
                     t_prepared=time.perf_counter())
+
+
+SLO_HEADERS = ("x-slo-tier", "x-slo-ttft-ms", "x-slo-tpot-ms")
+
+
+def asks_for_slo(request: Request, spec: SloSpec | None) -> bool:
+    """Did the client name a tier or a target (a header, or the body's `slo` field)? One that did not is
+    served best effort: held to no TTFT target by admission, never dropped for lateness."""
+    return spec is not None or any(request.headers.get(h) for h in SLO_HEADERS)
 
 
 def _slo(cfg: SkylineConfig, spec: SloSpec | None, request: Request, arrival_ms: int, strictest_tier: str = "") -> Slo:

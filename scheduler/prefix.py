@@ -126,16 +126,19 @@ def place(policy: AffinityPolicy, holders: Sequence[Holder]) -> Holder | None:
     """The worker to wait for, or None (the shared queue, where the first worker with room takes it).
 
     The cheapest worker not overloaded (`cost`: cache and load together), if it is cheaper than
-    every other such worker by at least `min_blocks`. A holder of the prompt's prefix wins while
-    its load does not outweigh what its cache saves; past that the least loaded worker gets the
-    request, cached or not, so that one worker holding a popular prefix (a system prompt) does not
-    draw every request. Where no worker is cheaper (all hold as much, equally loaded), the shared
-    queue balances the load as well as a choice would."""
+    every other such worker by at least `min_blocks` and its cache holds some of the prompt. A
+    holder of the prompt's prefix wins while its load does not outweigh what its cache saves; past
+    that the request goes to the shared queue, so that one worker holding a popular prefix (a system
+    prompt) does not draw every request. Where no worker is cheaper (all hold as much, equally
+    loaded), or the cheapest holds nothing (it is only less loaded), the shared queue balances the
+    load better than a choice would: the first worker with room takes the request, where a placed
+    one waits for its worker, chosen on heartbeats up to a second old (measured: placing uncached
+    128-token prompts on the less loaded of two engines gave 1.45x the TTFT p50 of the shared queue)."""
     if not policy.enabled:
         return None
     ready = [h for h in holders if not h.overloaded]
     k = cheapest(policy, [cost(policy, h) for h in ready])
-    return None if k is None else ready[k]
+    return None if k is None or ready[k].matched_blocks <= 0 else ready[k]
 
 
 def cheapest(policy: AffinityPolicy, costs: Sequence[float]) -> int | None:
@@ -278,6 +281,8 @@ class CacheMatch:
         if k is None:
             return None
         i = s.ready_at[k]
+        if matched[i] <= 0:  # only less loaded: the shared queue balances better (`place`)
+            return None
         return Holder(s.ids[i], matched[i], False, loads[i])
 
     def saved_tokens(self, stage: str, worker: str) -> int:

@@ -41,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start Redis, the gateway and workers on this machine")
     _common(up)
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (disagg mode)")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
-    up.add_argument("--elastic", type=int, default=0,
-                    help="elastic workers: each takes either phase, decided per request (docs/scheduling.md)")
+    up.add_argument("--elastic", type=int,
+                    help="elastic workers, each on a core of its own, each taking either phase as each request "
+                         "needs (docs/scheduling.md); default 2 unless --prefill or --decode pins the roles")
+    up.add_argument("--prefill", type=int, help="prefill workers (fixed pools; default 1 with --decode)")
+    up.add_argument("--decode", type=int, help="decode workers (fixed pools; default 1 with --prefill)")
     up.add_argument("--mode", choices=["disagg", "colocated"], help="disagg (default) or colocated")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--port", type=int, default=8000, help="gateway port")

@@ -106,15 +106,16 @@ def test_what_every_worker_holds_is_left_to_the_shared_queue():
 
 def test_a_popular_prefix_does_not_draw_every_request_to_its_holder():
     # Only w1 holds the system prompt (2 blocks): it gets new sessions while its load does not
-    # outweigh that, then the least loaded worker gets them, cached or not.
+    # outweigh that, then the shared queue does (where the first worker with room takes them).
     policy = AffinityPolicy(load_blocks=1.0)
     assert place(policy, [Holder("w1", 2, False, load=0), Holder("w2", 0, False, load=0)]).worker == "w1"
     assert place(policy, [Holder("w1", 2, False, load=2), Holder("w2", 0, False, load=0)]) is None  # even
-    assert place(policy, [Holder("w1", 2, False, load=3), Holder("w2", 0, False, load=0)]).worker == "w2"
+    assert place(policy, [Holder("w1", 2, False, load=3), Holder("w2", 0, False, load=0)]) is None
     # A conversation's long history outweighs a busier holder.
     assert place(policy, [Holder("w1", 12, False, load=6), Holder("w2", 0, False, load=0)]).worker == "w1"
-    # Load alone, nothing cached anywhere: the idle worker.
-    assert place(policy, [Holder("w1", 0, False, load=4), Holder("w2", 0, False, load=1)]).worker == "w2"
+    # Load alone, nothing cached anywhere: the shared queue, not a wait for the less loaded worker.
+    assert place(policy, [Holder("w1", 0, False, load=4), Holder("w2", 0, False, load=1)]) is None
+    assert place(policy, [Holder("w1", 1, False, load=4), Holder("w2", 3, False, load=1)]).worker == "w2"
 
 
 def test_a_burst_counts_its_own_placements_before_any_heartbeat_does():

@@ -182,8 +182,8 @@ def test_up_verbose_relays_every_line_and_a_failed_start_shows_its_log(tmp_path)
         banner = term.wait_for("Skyline is up")
         before = "".join(term.lines[:banner])
         assert re.search(r"gateway \| .* INFO skyline.gateway: gateway serving", before), before[-3000:]
-        assert re.search(r"decode-0 \| .* INFO skyline.worker: worker \S+ ready", before), before[-3000:]
-        assert "decode-0 | ready: /health counts 1 of 1 decode workers" in before
+        assert re.search(r"elastic-1 \| .* INFO skyline.worker: worker \S+ ready", before), before[-3000:]
+        assert "elastic-1 | ready: /health counts 2 of 2 elastic workers" in before
     finally:
         assert term.ctrl_c() == 0
     # A process that dies while starting: its last lines and its log's path on the terminal, the fleet stopped.
@@ -193,9 +193,9 @@ def test_up_verbose_relays_every_line_and_a_failed_start_shows_its_log(tmp_path)
     term.reader.join(timeout=10)
     out = "".join(term.lines)
     assert "Skyline is up" not in out
-    assert re.search(rf"(prefill|decode)-0 exited with code 1; its log: {tmp_path}/logs/(prefill|decode)-0.log",
+    assert re.search(rf"elastic-[01] exited with code 1; its log: {tmp_path}/logs/elastic-[01].log",
                      out), out
-    assert re.search(r"(prefill|decode)-0 \| skyline worker: worker.advertise_host = '0.0.0.0' is a bind-all", out)
+    assert re.search(r"elastic-[01] \| skyline worker: worker.advertise_host = '0.0.0.0' is a bind-all", out)
     assert "skyline up: stopping the fleet" in out and "Traceback" not in out
     # The earlier start's logs were kept, one generation.
     assert "INFO skyline.gateway: gateway serving" in (tmp_path / "logs" / "gateway.log.1").read_text()

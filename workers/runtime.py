@@ -314,6 +314,8 @@ class WorkerRuntime:
         msg = held.claimed.message
         if isinstance(msg, messages.DecodeWork) and msg.kv_handle is not None:
             return False  # prefilled already: its first token is imminent
+        if held.request.best_effort:
+            return False  # it asked for no SLO: served however late, as `vllm serve` would
         tier = self.tier_by_name.get(held.request.tier)
         return tier is not None and tier.drop_late_ms >= 0 and now_ms() > held.request.deadline_ms + tier.drop_late_ms
 

@@ -239,6 +239,10 @@ class GatewayConfig:
     ttft_calibration: bool = True  # scale predictions by their own measured error (scheduler/admission.py)
     sheddable_tiers: tuple[str, ...] = ("interactive", "standard")  # may get 429; other tiers always queue
     max_queued_tokens: int = 2_000_000  # prefill backlog bound: beyond it every tier gets 503
+    # A request that asks for no SLO (no x-slo-* header, no `slo` field) is served as `vllm serve` would:
+    # queued behind the tiers that asked for targets, refused (429, Retry-After) only when its predicted
+    # wait is longer than this (0 = request_timeout_s: it would time out anyway), or at max_queued_tokens.
+    best_effort_max_wait_s: float = 0.0
     # Prefix affinity (scheduler/prefix.py, docs/scheduling.md): a request goes to the worker whose
     # engine holds the longest leading run of its prompt's blocks, which alone may claim it for
     # `affinity_slack_share` of its slack to the TTFT deadline, or longer where moving it would cost

@@ -134,6 +134,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("gateway", "worker_liveness_s"): _POSITIVE,
     ("gateway", "first_token_overhead_ms"): _AT_LEAST_0,
     ("gateway", "max_queued_tokens"): _AT_LEAST_1,
+    ("gateway", "best_effort_max_wait_s"): _AT_LEAST_0,
     ("observability", "timeline_ttl_s"): _AT_LEAST_1,
     ("observability", "timeline_max_events"): _AT_LEAST_1,
     ("observability", "slo_window_minutes"): _AT_LEAST_1,

@@ -70,6 +70,10 @@ class GenerateRequest:
     attempt: int = 0
     preemptions: int = 0  # times a prefill worker aborted and re-queued it for a stricter request
     cache_salt: str | None = None  # vLLM's per-request prefix-cache salt: hits only other requests with the same salt
+    # The client asked for no SLO (no tier, no target): it is queued in its default tier's order, but
+    # neither shed for that tier's TTFT target nor dropped for lateness, as `vllm serve` would serve it;
+    # refused only past [gateway] best_effort_max_wait_s of predicted wait, or at the queue bound.
+    best_effort: bool = False
 
 
 @dataclass

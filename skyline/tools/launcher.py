@@ -43,7 +43,7 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-# Worker i of `skyline up` (prefill workers first) serves /metrics on this port + i;
+# Worker i of `skyline up` (prefill workers first, then decode, then elastic) serves /metrics on this port + i;
 # deploy/prometheus.yml scrapes exactly these ports.
 METRICS_PORT_BASE = 9100
 # A worker that exits while the fleet runs (killed, out of memory, its engine failed:
@@ -263,6 +263,18 @@ def _stopping() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+DEFAULT_ELASTIC = 2  # the default fleet: two elastic workers (this machine kind's two cores, one each)
+
+
+def resolve_pools(args: argparse.Namespace) -> None:
+    """The fleet's workers from `--elastic`, `--prefill`, `--decode`: two elastic workers unless a
+    pool is pinned (then 1 prefill and 1 decode worker unless said otherwise, and no elastic one)."""
+    pinned = args.prefill is not None or args.decode is not None
+    args.elastic = args.elastic if args.elastic is not None else (0 if pinned else DEFAULT_ELASTIC)
+    args.prefill = args.prefill if args.prefill is not None else (1 if pinned else 0)
+    args.decode = args.decode if args.decode is not None else (1 if pinned else 0)
+
+
 def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     # Ctrl-C and SIGTERM both stop the fleet, also when `up` was started in the
     # background by a shell (which starts it with SIGINT ignored).
@@ -271,6 +283,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
     home = skyline_home()
     logs = home / "logs"
     verbose = getattr(args, "verbose", False)
+    resolve_pools(args)
     console = Console()
     fleet_up = threading.Event()  # set at the banner: from then on the terminal also gets Skyline's INFO lines
     children: list[Child] = []
@@ -316,7 +329,7 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
               *_openai_surface_args(cfg)]
         t0 = time.monotonic()
         spawn("gateway", "gateway", gw)
-        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, getattr(args, "elastic", 0))
+        plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, args.elastic)
         for name, extra in plan:
             spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:]])
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -378,7 +391,7 @@ def taken_ports(cfg: SkylineConfig, args: argparse.Namespace) -> list[tuple[str,
     wanted = [("the gateway", args.host, args.port)]
     if not args.redis_url and not envs.REDIS_URL.is_set():
         wanted.append(("Redis", "127.0.0.1", args.redis_port))
-    for name, extra in plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, getattr(args, "elastic", 0)):
+    for name, extra in plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, args.elastic):
         if "--metrics-port" in extra:
             wanted.append((f"{name}'s metrics", "0.0.0.0", int(extra[extra.index("--metrics-port") + 1])))
     return [(what, port, port_holder(port)) for what, host, port in wanted if port and port_taken(host, port)]
