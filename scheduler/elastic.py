@@ -43,26 +43,35 @@ class PeerLoad(Protocol):
     max_running: int
     kv_usage: float
     kv_watermark: float  # 0: it claims at any KV usage
+    running_tokens: int  # tokens of the prompts its engine is computing
 
 
-def has_room(peer: PeerLoad) -> bool:
-    """Would the peer claim one more decode (its claim rule's count and KV watermark)?"""
+def has_room(peer: PeerLoad, prompt_budget: int) -> bool:
+    """Would the peer claim one more decode now (its claim rule: the count, the prompt tokens it computes
+    against `prompt_budget`, the KV watermark)? A peer computing a full budget of prompts would leave the
+    hand-off waiting, and the engine that computed it would end up taking it back."""
     if peer.max_running and peer.running >= peer.max_running:
+        return False
+    if prompt_budget and peer.running_tokens >= prompt_budget:
         return False
     return not (peer.kv_watermark and peer.kv_usage >= peer.kv_watermark)
 
 
-def decoder_for(me: str, my_streams: int, peers: Iterable[PeerLoad], prompts_queued: bool) -> str | None:
-    """Where an elastic worker `me`, decoding `my_streams` requests, decodes a prompt it computes:
-    None = itself, else the id of the peer that should (fewest streams, the first of equals)."""
+def decoder_for(me: str, my_streams: int, peers: Iterable[PeerLoad], prompts_queued: bool,
+                prompt_budget: int = 0) -> tuple[str | None, str]:
+    """Where an elastic worker `me`, decoding `my_streams` requests, decodes a prompt it computes, and
+    why: (None, why) = itself, else (the peer that should: fewest streams, then fewest prompt tokens
+    computing, the first of equals, why). `prompt_budget`: the claim rule's prompt-token budget."""
     best: PeerLoad | None = None
     for p in peers:
-        if p.worker_id == me or not serves(p.role, "decode") or not has_room(p):
+        if p.worker_id == me or not serves(p.role, "decode") or not has_room(p, prompt_budget):
             continue
-        if best is None or p.running < best.running:
+        if best is None or (p.running, p.running_tokens) < (best.running, best.running_tokens):
             best = p
     if best is None:
-        return None
-    if best.running < my_streams or (prompts_queued and best.running <= my_streams):
-        return best.worker_id
-    return None
+        return None, "no_peer_with_room"
+    if best.running < my_streams:
+        return best.worker_id, "peer_decodes_fewer"
+    if prompts_queued and best.running <= my_streams:
+        return best.worker_id, "prompts_queued"
+    return None, "fewest_streams_here"

@@ -49,7 +49,9 @@ async def test_two_elastic_workers_serve_both_routes_exactly_once_and_both_engin
         # Each placement is in the request's timeline, saying where and why.
         events = await read_timeline(client, keys, "long-0")
         placed = [e for e in events if e.event == "decode_placed"]
-        assert placed and placed[0].fields["on"] in {rt.worker_id for rt in rts}
+        assert placed and placed[0].fields["on"] in {rt.worker_id for rt in rts} and placed[0].fields["why"]
+        for f in split:  # the response says why the decode moved
+            assert f.kv_transfer["decode_placed"] in ("peer_decodes_fewer", "prompts_queued"), f.kv_transfer
         # Nothing is left pending or queued.
         for rt in rts:
             assert len(rt.held) == 0
@@ -60,3 +62,61 @@ async def test_two_elastic_workers_serve_both_routes_exactly_once_and_both_engin
                     assert pending["pending"] == 0, (key, pending)
     finally:
         await stop_fleet(client, rts, tasks)
+
+
+def _peer(wid: str, running: int, role: str = "elastic", max_running: int = 8, kv: float = 0.0, computing: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(worker_id=wid, role=role, running=running, max_running=max_running, kv_usage=kv,
+                           kv_watermark=0.9, running_tokens=computing)
+
+
+def test_the_decode_goes_to_a_peer_only_when_it_decodes_fewer_streams_or_prompts_wait():
+    from skyline.scheduler.elastic import decoder_for, serves
+
+    me = "a"
+    assert decoder_for(me, 3, [_peer("b", 1)], False) == ("b", "peer_decodes_fewer")
+    assert decoder_for(me, 2, [_peer("b", 2)], False) == (None, "fewest_streams_here")  # no gain: no KV moves
+    assert decoder_for(me, 2, [_peer("b", 2)], True) == ("b", "prompts_queued")  # keep this engine for prompts
+    assert decoder_for(me, 1, [_peer("b", 2)], True) == (None, "fewest_streams_here")
+    assert decoder_for(me, 0, [], True) == (None, "no_peer_with_room")
+    assert decoder_for(me, 5, [_peer("b", 8)], True) == (None, "no_peer_with_room")  # full
+    assert decoder_for(me, 5, [_peer("b", 1, kv=0.95)], True) == (None, "no_peer_with_room")  # KV past its watermark
+    assert decoder_for(me, 5, [_peer("b", 1, role="prefill")], True) == (None, "no_peer_with_room")
+    assert decoder_for(me, 5, [_peer("a", 0), _peer("b", 3), _peer("c", 1), _peer("d", 1)], False) == ("c", "peer_decodes_fewer")
+    assert decoder_for(me, 5, [_peer("d", 2, role="decode")], False) == ("d", "peer_decodes_fewer")
+    # A peer computing a full prompt budget would not claim the hand-off: the engine that computed the
+    # prompt would take it back. Of peers with room, the one computing fewer prompt tokens.
+    assert decoder_for(me, 5, [_peer("b", 1, computing=2048)], True, 2048) == (None, "no_peer_with_room")
+    assert decoder_for(me, 5, [_peer("b", 1, computing=1024), _peer("c", 1)], True, 2048) == ("c", "peer_decodes_fewer")
+    assert [s for s in ("prefill", "decode") if serves("elastic", s)] == ["prefill", "decode"]
+    assert not serves("prefill", "decode") and not serves("decode", "prefill")
+
+
+async def test_an_elastic_worker_that_takes_back_its_own_hand_off_decodes_from_its_prefix_cache(redis_url, key_prefix):
+    # vLLM cannot pull KV from its own engine (it refuses to register itself as a remote): a hand-off
+    # no peer claimed in time and its own worker took back is computed here, its blocks found cached.
+    from skyline.workers.decode import DecodeHandler
+    from skyline.workers.runs import RunClaim
+    from skyline.workers.runtime import WorkerRuntime
+    from tests.test_rules_shared import _Engine, _config
+
+    from dataclasses import replace
+
+    cfg = _config("elastic")
+    cfg = replace(cfg, key_prefix=key_prefix, redis=replace(cfg.redis, url=redis_url),
+                  worker=replace(cfg.worker, heartbeat_s=1.0))
+    rt = WorkerRuntime(cfg, _Engine(), "m")
+    assert rt.elastic and rt.stages == ("decode", "prefill")
+    handler = DecodeHandler(rt.port)
+    req = gen_request("own", list(range(1, 400)), 4)
+    fresh = RunClaim(attempt=1, done=False, frames=0, output=[])
+    from skyline.core.streams import now_ms
+
+    own = m.DecodeWork(req, kv_handle={"kv": 1}, prefill_worker=rt.worker_id, prefill_finished_ms=now_ms())
+    _ereq, handle, why = await handler._plan(own, fresh)
+    assert handle is None and why == "own_handoff"
+    peer = m.DecodeWork(req, kv_handle={"kv": 1}, prefill_worker="elastic-peer", prefill_finished_ms=now_ms())
+    _ereq, handle, why = await handler._plan(peer, fresh)
+    assert handle == {"kv": 1} and why == ""
+    await rt.redis.aclose()

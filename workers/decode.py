@@ -180,6 +180,8 @@ class DecodeHandler:
             return
         if source.why_local:
             kv_transfer["local_prefill"] = source.why_local
+        if work.decode_placed or held.decode_placed:  # an elastic worker's choice of where to decode
+            kv_transfer["decode_placed"] = work.decode_placed or held.decode_placed
         done = now_ms()
         timings = {
             "queue_ms": (work.prefill_started_ms or started) - req.arrival_ms,
@@ -268,6 +270,10 @@ class DecodeHandler:
             # An earlier attempt may have pulled (and so released) these blocks, or
             # its prefill may now be stale: recompute rather than risk reading reused KV.
             return ereq, None, "decode_retry"
+        if work.prefill_worker == self.port.worker_id:
+            # An elastic worker's own hand-off, taken back after no peer claimed it: the prompt's blocks
+            # are in this engine's prefix cache (vLLM cannot pull from itself). Its lease frees them.
+            return ereq, None, "own_handoff"
         age = now_ms() - work.prefill_finished_ms
         if handle_expired(age, self.port.cfg.engine.kv_lease_s):
             # The prefill engine may already have reused these blocks: pulling them

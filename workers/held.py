@@ -68,6 +68,7 @@ class HeldRequest:
     # serves a prompt from the prefill streams whole (scheduler/elastic.py).
     serve_as: str = ""
     decode_on: str | None = None  # serve_as "prefill": the peer its hand-off is placed for (None: any)
+    decode_placed: str = ""  # why an elastic worker decodes it here or on `decode_on` (scheduler/elastic.py)
 
     def __post_init__(self) -> None:
         self.serve_as = self.serve_as or self.stage

@@ -47,6 +47,7 @@ class PrefillHandler:
         work = messages.DecodeWork(
             request=req, kv_handle=result.kv_handle, prefill_worker=self.port.worker_id,
             prefill_started_ms=started, prefill_finished_ms=now_ms(), prompt_logprobs=result.prompt_logprobs,
+            decode_placed=held.decode_placed,
         )
         keys, fields, peer = self.port.keys, entry_fields(work), held.decode_on
         stream = keys.stream("decode", req.tier) if peer is None else keys.affinity_lane("decode", req.tier, peer)

@@ -378,9 +378,11 @@ class WorkerRuntime:
         moves) or on a peer (computed here, its KV handed to that peer): scheduler/elastic.py."""
         mine = sum(h.prompt_tokens for h in self.held if h.stage == "prefill") + held.claimed.prefill_tokens
         streams = sum(1 for h in self.held if h.serve_as == "decode")  # decoded here, or to be
-        peer = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine)
+        peer, why = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine,
+                                self.cfg.worker.prefill_token_budget)
         held.serve_as, held.decode_on = ("prefill", peer) if peer else ("decode", None)
-        self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, streams_here=streams)
+        held.decode_placed = why
+        self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, why=why, streams_here=streams)
 
     async def _ensure_groups(self) -> None:
         for stage in self.stages:

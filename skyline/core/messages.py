@@ -96,6 +96,9 @@ class DecodeWork:
     # Prompt logprobs computed where the prompt was computed (the prefill engine), when asked
     # for: the decode engine only pulls the KV and never sees the prompt's logits.
     prompt_logprobs: list | None = None
+    # Why an elastic worker handed this decode on instead of decoding it itself (scheduler/elastic.py
+    # `decoder_for`); "" from a prefill worker, which always hands on.
+    decode_placed: str = ""
 
 
 @dataclass

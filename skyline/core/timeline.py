@@ -44,7 +44,9 @@ EVENTS = (
     "arrived",              # gateway: kind, prompt_tokens, max_tokens, stream, route
     "admitted",             # gateway: decision (admit/demote/reject/overloaded), predicted_ttft_ms, tier
     "enqueued",             # gateway or worker: stage, tier, deadline_ms
-    "prefill_claimed",      # prefill worker: tier, delivery
+    "placed",               # gateway: worker (prefix affinity: the worker it waits for), matched_blocks, wait_ms
+    "prefill_claimed",      # prefill or elastic worker: tier, delivery
+    "decode_placed",        # elastic worker: on (where it is decoded), why, streams_here (scheduler/elastic.py)
     "prefill_started",      # prefill worker: prompt_tokens
     "prefill_finished",     # prefill worker: ms
     "kv_handle_published",  # prefill worker: stage=decode, handle_bytes
