@@ -34,7 +34,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_SYSTEMS['mixed']}; with --workload multiturn: {DEFAULT_SYSTEMS['multiturn']}). "
                         "Known: vllm-fcfs, vllm-priority, skyline-colocated, skyline-disagg, vllm-rr, skyline-affinity, "
                         "skyline-no-affinity, skyline-disagg-affinity, skyline-disagg-no-affinity, sim-colocated, "
-                        "sim-disagg, sim-affinity, sim-no-affinity, sim-disagg-affinity, sim-disagg-no-affinity")
+                        "sim-disagg, sim-affinity, sim-no-affinity, sim-disagg-affinity, sim-disagg-no-affinity, "
+                        "skyline-elastic, sim-elastic")
     p.add_argument("--workload", default="mixed", choices=["mixed", "multiturn"],
                    help="mixed: independent chat and RAG requests (default); multiturn: conversations of several "
                         "turns and RAG questions over shared documents, one system prompt (prefix-cache reuse)")
