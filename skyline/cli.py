@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     vc.add_argument("--seed", type=int, default=0, help="vLLM's seed for the prompts and arrival times (default 0)")
     vc.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="every request generates exactly --output-len tokens (default on)")
+    vc.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                    help="completions: /v1/completions (default); chat: /v1/chat/completions (vLLM's openai-chat "
+                         "backend: the prompt becomes one user message, so the chat template adds tokens)")
+    vc.add_argument("--header", action="append", metavar="NAME=VALUE",
+                    help="a header sent with every request, to every system (repeatable), e.g. x-slo-tier=interactive")
     vc.add_argument("--skyline-config", help="a TOML file for the Skyline systems' gateway and workers")
     vc.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
     vc.add_argument("--out", help="output folder (default benchmarks/<YYYY-MM-DD>-vllm-client)")

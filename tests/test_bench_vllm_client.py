@@ -27,7 +27,8 @@ def _flag(flags: list[str], name: str) -> str:
 def test_the_client_is_the_issues_run_by_default(tmp_path):
     args = cli.build_parser().parse_args(["bench", "vllm-client"])
     assert args.systems == vllm_client.DEFAULT_SYSTEMS
-    load = Load(args.input_len, args.output_len, args.num_prompts, args.rate, args.seed, args.ignore_eos)
+    load = Load(args.input_len, args.output_len, args.num_prompts, args.rate, args.seed, args.ignore_eos,
+                args.endpoint, tuple(args.header or ()))
     assert load == Load()  # the CLI's defaults are the module's: 128 in, 32 out, 24 prompts at 2 req/s
     flags = client_flags("http://127.0.0.1:9", "SmolLM2-135M-Instruct", "/models/smol", load, tmp_path, "vllm-fcfs")
     assert _flag(flags, "--backend") == "openai" and _flag(flags, "--endpoint") == "/v1/completions"
@@ -56,6 +57,16 @@ def test_the_client_parses_as_vllm_bench_serve(tmp_path):
     ns = p.parse_args(client_flags("http://127.0.0.1:9", "m", "t", Load(num_prompts=6, rate=3), tmp_path, "x"))
     assert (ns.random_input_len, ns.random_output_len, ns.num_prompts, ns.request_rate) == (128, 32, 6, 3.0)
     assert ns.ignore_eos and ns.save_result and ns.metric_percentiles == "50,99"
+    chat = Load(endpoint="chat", headers=("x-skyline-route=colocated", "x-slo-tier=interactive"))
+    ns = p.parse_args(client_flags("http://127.0.0.1:9", "m", "t", chat, tmp_path, "x"))
+    assert (ns.backend, ns.endpoint) == ("openai-chat", "/v1/chat/completions")
+    assert ns.header == ["x-skyline-route=colocated", "x-slo-tier=interactive"]
+
+
+def test_a_header_without_a_value_is_refused_before_anything_starts(tmp_path):
+    args = cli.build_parser().parse_args(["bench", "vllm-client", "--header", "x-slo-tier", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        vllm_client.main(args)
 
 
 def _raw(completed=24, failed=0, ttft=(1700.0, 2600.0), tok_s=40.0, errors=None) -> dict:

@@ -52,12 +52,18 @@ class Load:
     # Every request generates exactly output_len tokens on every system, so output tok/s compares the
     # serving, not where each system's sampling happened to hit EOS.
     ignore_eos: bool = True
+    endpoint: str = "completions"  # or "chat": /v1/chat/completions (vLLM's openai-chat backend), streamed too
+    headers: tuple[str, ...] = ()  # NAME=VALUE sent with every request (e.g. x-skyline-route=colocated)
+
+
+ENDPOINTS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
 
 
 def client_flags(url: str, model: str, tokenizer: str, load: Load, result_dir: Path, system: str) -> list[str]:
     """`vllm bench serve`'s flags for one system; the result lands in `result_dir/<system>.json`."""
+    backend, path = ENDPOINTS[load.endpoint]
     flags = [
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--backend", backend, "--base-url", url, "--endpoint", path,
         "--model", model, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(load.input_len),
         "--random-output-len", str(load.output_len), "--num-prompts", str(load.num_prompts),
@@ -69,6 +75,8 @@ def client_flags(url: str, model: str, tokenizer: str, load: Load, result_dir: P
     ]
     if load.ignore_eos:
         flags.append("--ignore-eos")
+    if load.headers:
+        flags += ["--header", *load.headers]
     return flags
 
 
@@ -154,7 +162,8 @@ def report(results: dict) -> str:
         "",
         (f"{results['started']}; random prompts of {load['input_len']} tokens, {load['output_len']} output tokens"
          f"{' (ignore_eos)' if load['ignore_eos'] else ''}, {load['num_prompts']} prompts at {load['rate']:g} req/s "
-         f"(Poisson), seed {load['seed']}; `/v1/completions`, streamed. The systems ran one after the other on "
+         f"(Poisson), seed {load['seed']}; `{ENDPOINTS[load.get('endpoint', 'completions')][1]}`, streamed"
+         f"{''.join(f', header {h}' for h in load.get('headers') or ())}. The systems ran one after the other on "
          f"the same cores ({results['cores']}); the client shares them. Raw results: `<system>.json` beside this "
          "file."),
         "",
@@ -227,7 +236,11 @@ def main(args) -> None:
     from skyline.tools.bench.systems import SYSTEMS, engine_cores
     from skyline.tools.model import resolve_model
 
-    load = Load(args.input_len, args.output_len, args.num_prompts, args.rate, args.seed, args.ignore_eos)
+    load = Load(args.input_len, args.output_len, args.num_prompts, args.rate, args.seed, args.ignore_eos,
+                args.endpoint, tuple(args.header or ()))
+    bad = [h for h in load.headers if "=" not in h]
+    if bad:
+        raise SystemExit(f"--header wants NAME=VALUE, got {', '.join(bad)}")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown or not names:
