@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "backend: the prompt becomes one user message, so the chat template adds tokens)")
     vc.add_argument("--header", action="append", metavar="NAME=VALUE",
                     help="a header sent with every request, to every system (repeatable), e.g. x-slo-tier=interactive")
+    vc.add_argument("--client", choices=["vllm", "aiperf"], default="vllm",
+                    help="the load generator: vllm (`vllm bench serve`, default) or aiperf (NVIDIA's, installed in a "
+                         "venv of its own: skyline/tools/bench/aiperf_client.py), the same load either way")
+    vc.add_argument("--aiperf", help="the aiperf program (default: aiperf on PATH)")
     vc.add_argument("--skyline-config", help="a TOML file for the Skyline systems' gateway and workers")
     vc.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
     vc.add_argument("--out", help="output folder (default benchmarks/<YYYY-MM-DD>-vllm-client)")

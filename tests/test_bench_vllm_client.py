@@ -167,3 +167,33 @@ def test_end_to_end_on_a_sim_fleet(tmp_path, capsys):
     assert "| sim-disagg | 4 of 4 | 0 |" in report_md
     assert "| sim-disagg | 4 of 4 | 0 |" in capsys.readouterr().out  # printed as well
     assert Path(out / "logs" / "sim-disagg-client.log").exists()
+
+
+def test_aiperf_sends_the_same_load_and_its_summary_reads_into_the_same_figures(tmp_path):
+    from skyline.tools.bench import aiperf_client
+
+    load = Load(input_len=1024, output_len=64, num_prompts=32, rate=1.0, seed=7, endpoint="chat",
+                headers=("x-skyline-route=colocated",))
+    flags = aiperf_client.flags("http://127.0.0.1:9", "m", "/models/smol", load, tmp_path / "a")
+    assert flags[0] == "profile" and _flag(flags, "--endpoint-type") == "chat" and "--streaming" in flags
+    assert (_flag(flags, "--isl"), _flag(flags, "--isl-stddev"), _flag(flags, "--osl")) == ("1024", "0", "64")
+    assert (_flag(flags, "--request-rate"), _flag(flags, "--request-count"), _flag(flags, "--random-seed")) == \
+        ("1.0", "32", "7")
+    assert _flag(flags, "--arrival-pattern") == "poisson" and _flag(flags, "--extra-inputs") == "ignore_eos:true"
+    assert _flag(flags, "--header") == "x-skyline-route:colocated"
+    assert _flag(aiperf_client.flags("u", "m", "t", Load(), tmp_path), "--endpoint-type") == "completions"
+    # A summary aiperf 0.13 wrote (a sim fleet, 8 requests; trimmed to the keys read).
+    raw = json.loads((Path(__file__).parent / "data" / "aiperf-0.13-summary.json").read_text())
+    s = aiperf_client.summarize(raw, 10)
+    assert (s["completed"], s["failed"], s["errors"]) == (8, 2, [])
+    assert s["ttft_p50_ms"] == raw["time_to_first_token"]["p50"] and s["ttft_p99_ms"] == raw["time_to_first_token"]["p99"]
+    assert s["tpot_p50_ms"] == raw["inter_token_latency"]["p50"]
+    assert s["output_tok_s"] == raw["output_token_throughput"]["avg"]
+    assert verdicts(s, s)[0].met  # the same keys the verdicts read
+    failed = dict(raw, completed_request_count={"avg": 6.0},
+                  error_summary=[{"error_details": {"code": 429, "message": "queue full"}, "count": 2}])
+    assert aiperf_client.summarize(failed, 8)["errors"] == [{"error": '{"code": 429, "message": "queue full"}',
+                                                            "count": 2}]
+    assert aiperf_client.read(tmp_path / "missing", 8) is None
+    with pytest.raises(SystemExit, match="aiperf"):
+        aiperf_client.executable(str(tmp_path / "no-such-aiperf"))

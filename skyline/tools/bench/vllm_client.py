@@ -17,6 +17,7 @@ without engines (tests/test_bench_vllm_client.py).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -158,14 +159,16 @@ def report(results: dict) -> str:
     load = results["load"]
     systems = results["systems"]
     lines = [
-        "# vLLM's own client (`vllm bench serve`) against each system",
+        ("# NVIDIA's aiperf (`aiperf profile`) against each system" if results.get("client") == "aiperf"
+         else "# vLLM's own client (`vllm bench serve`) against each system"),
         "",
         (f"{results['started']}; random prompts of {load['input_len']} tokens, {load['output_len']} output tokens"
          f"{' (ignore_eos)' if load['ignore_eos'] else ''}, {load['num_prompts']} prompts at {load['rate']:g} req/s "
          f"(Poisson), seed {load['seed']}; `{ENDPOINTS[load.get('endpoint', 'completions')][1]}`, streamed"
          f"{''.join(f', header {h}' for h in load.get('headers') or ())}. The systems ran one after the other on "
-         f"the same cores ({results['cores']}); the client shares them. Raw results: `<system>.json` beside this "
-         "file."),
+         f"the same cores ({results['cores']}); the client shares them. Raw results: "
+         + ("`<system>-aiperf/` beside this file (TPOT column: aiperf's inter-token latency)."
+            if results.get("client") == "aiperf" else "`<system>.json` beside this file.")),
         "",
         ("| system | completed | failed | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
          "| E2E p50 (ms) | output tok/s | duration (s) |"),
@@ -205,31 +208,41 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: float, config: str) -> dict:
-    """Start one system, run the client against it, stop it; its summary (or {"error": ...})."""
+def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: float, config: str,
+               aiperf: str | None = None) -> dict:
+    """Start one system, run the client against it (vLLM's; aiperf's where `aiperf` names its program),
+    stop it; its summary (or {"error": ...})."""
+    from skyline.tools.bench import aiperf_client
     from skyline.tools.bench.systems import SYSTEMS, start
 
     result_file = out / f"{name}.json"
+    artifacts = out / f"{name}-aiperf"
     result_file.unlink(missing_ok=True)  # a file left by an earlier run into this folder must not pass for this one
+    shutil.rmtree(artifacts, ignore_errors=True)
+    client = "aiperf profile" if aiperf else "vllm bench serve"
     running = start(SYSTEMS[name], out / "logs", start_timeout, config=config)
     try:
-        flags = client_flags(running.url, running.model, tokenizer, load, out, name)
+        if aiperf:
+            argv = [aiperf, *aiperf_client.flags(running.url, running.model, tokenizer, load, artifacts)]
+        else:
+            argv = client_argv(client_flags(running.url, running.model, tokenizer, load, out, name))
         log = out / "logs" / f"{name}-client.log"
-        print(f"{name}: serving at {running.url}; vllm bench serve ... (log: {log})", flush=True)
+        print(f"{name}: serving at {running.url}; {client} ... (log: {log})", flush=True)
         # The client sends its last request about num_prompts / rate seconds in; the rest is a bound on the
         # stragglers, not an expectation.
         timeout = load.num_prompts / load.rate + 900
         with open(log, "wb") as fh:
             # check=False: a failed client is reported as this system's error, and the next system still runs.
-            proc = subprocess.run(client_argv(flags), check=False, stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
+            proc = subprocess.run(argv, check=False, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
         running.check_alive()  # a process that died mid-run explains a bad result better than the figures
     finally:
         running.stop()
-    if proc.returncode != 0 or not result_file.exists():
+    summary = aiperf_client.read(artifacts, load.num_prompts) if aiperf else (
+        summarize(json.loads(result_file.read_text())) if result_file.exists() else None)
+    if proc.returncode != 0 or summary is None:
         tail = log.read_text(errors="replace")[-2000:]
-        return {"error": f"vllm bench serve exited with {proc.returncode}\n{tail}"}
-    return summarize(json.loads(result_file.read_text()))
+        return {"error": f"{client} exited with {proc.returncode}\n{tail}"}
+    return summary
 
 
 def main(args) -> None:
@@ -248,14 +261,21 @@ def main(args) -> None:
     out = Path(args.out or f"benchmarks/{date.today().isoformat()}-vllm-client")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = resolve_model("default")  # the served model's own tokenizer, from the local folder
-    template = client_flags("<url>", "<model>", tokenizer, load, out, "<system>")
+    aiperf = None
+    if args.client == "aiperf":
+        from skyline.tools.bench import aiperf_client
+
+        aiperf = aiperf_client.executable(args.aiperf)
+        command = "aiperf " + " ".join(aiperf_client.flags("<url>", "<model>", tokenizer, load, out / "<system>-aiperf"))
+    else:
+        command = "vllm bench serve " + " ".join(client_flags("<url>", "<model>", tokenizer, load, out, "<system>"))
     results = {"started": datetime.now(UTC).isoformat(timespec="seconds"), "load": asdict(load),
                "cores": engine_cores(), "skyline_config": args.skyline_config or "",
-               "command": "vllm bench serve " + " ".join(template), "systems": {}}
+               "client": args.client, "command": command, "systems": {}}
     for name in names:
         t0 = time.monotonic()
         try:
-            summary = run_system(name, load, out, tokenizer, args.start_timeout, args.skyline_config or "")
+            summary = run_system(name, load, out, tokenizer, args.start_timeout, args.skyline_config or "", aiperf)
         except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
             summary = {"error": f"{type(e).__name__}: {e}"}
         summary["wall_s"] = round(time.monotonic() - t0, 1)
