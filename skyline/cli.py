@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     vc.add_argument("--aiperf", help="the aiperf program (default: aiperf on PATH)")
     vc.add_argument("--skyline-config", help="a TOML file for the Skyline systems' gateway and workers")
     vc.add_argument("--start-timeout", type=float, default=600, help="seconds a system may take to become ready")
-    vc.add_argument("--out", help="output folder (default benchmarks/<YYYY-MM-DD>-vllm-client)")
+    vc.add_argument("--out", help="output folder (default bench-results/<YYYY-MM-DD>-vllm-client)")
     from skyline.tools.bench.options import add_run_arguments  # argparse only: cheap
 
     mg = bsub.add_parser("merge", help="one report from several `bench run` results of the same benchmark "

@@ -45,6 +45,15 @@ def test_the_client_is_the_issues_run_by_default(tmp_path):
     assert argv[:2] == [sys.executable, "-c"] and argv[3:] == flags
 
 
+def test_a_run_without_out_writes_to_an_ignored_folder():
+    """The default folder is under bench-results/, which .gitignore names: a run stays out of the tracked tree."""
+    from datetime import date
+
+    assert vllm_client.default_out(date(2026, 12, 5)) == Path("bench-results/2026-12-05-vllm-client")
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
+    assert f"{vllm_client.default_out().parts[0]}/" in ignored
+
+
 def test_the_client_parses_as_vllm_bench_serve(tmp_path):
     # The flags must be the names this vLLM version's `vllm bench serve` knows (a rename fails here, not
     # minutes into a run with the engines up).

@@ -245,6 +245,11 @@ def run_system(name: str, load: Load, out: Path, tokenizer: str, start_timeout: 
     return summary
 
 
+def default_out(today: date | None = None) -> Path:
+    """Where a run writes without --out: an ignored folder (.gitignore), not the tracked tree."""
+    return Path("bench-results") / f"{(today or date.today()).isoformat()}-vllm-client"
+
+
 def main(args) -> None:
     from skyline.tools.bench.systems import SYSTEMS, engine_cores
     from skyline.tools.model import resolve_model
@@ -258,7 +263,7 @@ def main(args) -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown or not names:
         raise SystemExit(f"--systems: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
-    out = Path(args.out or f"benchmarks/{date.today().isoformat()}-vllm-client")
+    out = Path(args.out) if args.out else default_out()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = resolve_model("default")  # the served model's own tokenizer, from the local folder
     aiperf = None
