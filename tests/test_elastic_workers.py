@@ -120,3 +120,88 @@ async def test_an_elastic_worker_that_takes_back_its_own_hand_off_decodes_from_i
     _ereq, handle, why = await handler._plan(peer, fresh)
     assert handle == {"kv": 1} and why == ""
     await rt.redis.aclose()
+
+
+async def _undelivered_shared_work(client, keys: Keys, tiers) -> bool:
+    """Is an entry waiting in a shared stream (any stage, tier, retry lane) that no worker has claimed?
+    A worker's own affinity lane is left out: an entry placed there waits for that worker by design."""
+    for stage in ("prefill", "decode"):
+        for tier in tiers:
+            for key in (keys.stream(stage, tier), keys.retry_stream(stage, tier)):
+                if not await client.exists(key):
+                    continue
+                for g in await client.xinfo_groups(key):
+                    if g["name"].decode() != Keys.group(stage):
+                        continue
+                    last = g["last-delivered-id"].decode()
+                    if await client.xrange(key, min="(" + last, count=1):
+                        return True
+    return False
+
+
+async def test_four_elastic_workers_under_mixed_load_leave_no_engine_idle_while_work_waits(redis_url, key_prefix):
+    """Waves of long prompts (computed on one engine, decoded where streams are fewest) and short ones
+    (served whole) on four elastic workers: every request once, every engine used, and no sample in
+    which work sat unclaimed in a shared stream while some engine held nothing, for longer than a
+    claim's wake-up; nothing left pending, no KV handed off without its pull."""
+    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "m", roles=("elastic",) * 4)
+    keys = Keys(key_prefix)
+    idle_while_waiting: list[float] = []  # seconds since start of each violating sample
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        # Sampled every 20 ms: a violation is one that lasts three samples in a row (a worker wakes on
+        # an entry within a loop turn; 60 ms is many turns).
+        streak, t0 = 0, asyncio.get_running_loop().time()
+        while not stop.is_set():
+            idle = [rt for rt in rts if len(rt.held) == 0]
+            # Work waits in a shared stream, or claimed by an engine that has not started it: prompts
+            # queued behind its current step (the sim engine's `waiting`, past the first).
+            hoarded = [rt.worker_id for rt in rts if rt.engine.stats().waiting > 1]
+            waiting = bool(idle) and (bool(hoarded) or await _undelivered_shared_work(client, keys, cfg.tier_names))
+            streak = streak + 1 if waiting else 0
+            if streak >= 3:
+                idle_while_waiting.append(round(asyncio.get_running_loop().time() - t0, 3))
+            await asyncio.sleep(0.02)
+
+    try:
+        await wait_registered(client, key_prefix, 4)
+        for rt in rts:
+            while len(rt.peers) < 4:
+                await asyncio.sleep(0.05)
+        watcher = asyncio.create_task(watch())
+
+        async def wave(w: int) -> list[list]:
+            await asyncio.sleep(0.4 * w)
+            reqs = [gen_request(f"w{w}-long-{i}", list(range(1 + w, 600 + w)), 16) for i in range(4)]
+            reqs += [gen_request(f"w{w}-short-{i}", list(range(1 + i, 40 + i)), 16, route="colocated")
+                     for i in range(8)]
+            return list(zip(reqs, await asyncio.gather(*(run_request(client, keys, r, timeout_s=60) for r in reqs))))
+
+        served = [pair for w in await asyncio.gather(*(wave(w) for w in range(3))) for pair in w]
+        stop.set()
+        await watcher
+        assert len(served) == 36
+        for req, frames in served:
+            assert isinstance(frames[-1], m.Finished), (req.request_id, frames[-1])
+            assert len(_tokens(frames)) == 16, req.request_id  # every token once, none twice
+        finals = [f[-1] for _r, f in served]
+        assert {f.decode_worker for f in finals} == {rt.worker_id for rt in rts}, "an engine never decoded"
+        computed = {f.prefill_worker or f.decode_worker for f in finals}
+        assert computed == {rt.worker_id for rt in rts}, "an engine never computed a prompt"
+        assert not idle_while_waiting, f"work waited while an engine held nothing, at {idle_while_waiting} s"
+        # A decode placed on a peer pulled the prompt's KV from the engine that computed it, once.
+        for f in finals:
+            if f.prefill_worker and f.prefill_worker != f.decode_worker:
+                assert f.kv_transfer["remote_prefill"] is True, f.kv_transfer
+        # Nothing is held, pending, or left on the backlog admission control reads.
+        for rt in rts:
+            assert len(rt.held) == 0 and rt.held.prompt_tokens == 0
+        for stage, _tier, key in keys.all_streams(cfg.tier_names):
+            for g in await client.xinfo_groups(key):
+                assert g["pending"] == 0, (key, g)
+        backlog = {k.decode(): int(v) for k, v in (await client.hgetall(keys.backlog)).items()}
+        assert all(v == 0 for v in backlog.values()), backlog
+    finally:
+        stop.set()
+        await stop_fleet(client, rts, tasks)
