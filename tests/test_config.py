@@ -144,7 +144,7 @@ def test_a_sim_engine_steps_what_its_config_says():
 
 
 def test_the_kubernetes_config_is_the_gpu_preset():
-    # deploy/kubernetes/config.yaml inlines deploy/skyline-gpu.toml (a ConfigMap cannot load a file
+    # deploy/kubernetes/base/config.yaml inlines deploy/skyline-gpu.toml (a ConfigMap cannot load a file
     # from outside its kustomization); what Kubernetes adds is the bind address, ports and the prefix.
     import dataclasses
     import tomllib
@@ -154,7 +154,7 @@ def test_the_kubernetes_config_is_the_gpu_preset():
 
     deploy = Path(__file__).parents[1] / "deploy"
     preset = tomllib.loads((deploy / "skyline-gpu.toml").read_text())
-    docs = list(yaml.safe_load_all((deploy / "kubernetes" / "config.yaml").read_text()))
+    docs = list(yaml.safe_load_all((deploy / "kubernetes" / "base" / "config.yaml").read_text()))
     configmap = tomllib.loads(next(d for d in docs if d and d["kind"] == "ConfigMap")["data"]["skyline.toml"])
     k8s_only = {("gateway", "host"), ("gateway", "port"), ("worker", "metrics_port")}
     for section, values in preset.items():

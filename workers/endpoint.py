@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 log = logging.getLogger("skyline.worker.endpoint")
 
 # name -> (help, attribute of runtime.info). KEDA's Prometheus trigger for decode
-# scale-out reads skyline_worker_kv_usage (deploy/kubernetes/keda.yaml).
+# scale-out reads skyline_worker_kv_usage (deploy/kubernetes/*/keda.yaml).
 GAUGES = {
     "skyline_worker_running": ("Requests this worker holds (claimed, not finished)", "running"),
     "skyline_worker_waiting": ("Requests waiting inside the engine", "waiting"),
