@@ -118,7 +118,7 @@ def _cpu_s(pid: int) -> float:
 
 def test_each_engine_computes_on_the_core_it_was_bound_to(fleet, client):
     """vLLM's NIXL connector on CPU pins the thread that builds it, the one that computes, to the host's
-    last core: unpatched, both engines of this fleet computed on core 1 (vllm_plugin.py)."""
+    last core: unpatched, both engines of this fleet computed on core 1 (engine_processes.py)."""
     cores = sorted(os.sched_getaffinity(0))
     for name, core in (("prefill-0", cores[0]), ("decode-0", cores[-1])):
         [executor] = _descendants(fleet.procs[name].pid)["VLLM::Worker"]

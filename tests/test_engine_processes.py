@@ -1,17 +1,17 @@
-"""The vLLM plugin's patches for CPU engines (workers/engines/vllm_plugin.py), on stand-ins for the
-vLLM classes they patch, plus a check that vLLM's classes still look the way the patches assume.
-The effect on real engines is checked in tests/test_e2e_vllm.py."""
+"""Skyline's adjustments to vLLM's engine processes (workers/engines/engine_processes.py) and the
+patches behind them (workers/engines/vllm_internals.py), on stand-ins for the vLLM classes they
+patch. That vLLM's classes still look the way the patches assume is checked in
+tests/test_vllm_contract_engine.py; the effect on real engines in tests/test_e2e_vllm.py."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
 
 import pytest
 
-from skyline.workers.engines import vllm_plugin
+from skyline.workers.engines import engine_processes, vllm_internals
 
 
 def _in_thread(fn):
@@ -40,8 +40,8 @@ def test_building_a_connector_leaves_the_building_thread_on_its_cores():
         return os.sched_getaffinity(0), c.helper
 
     assert _in_thread(build) == ({last}, {last})  # unpatched: the computing thread moved
-    vllm_plugin.keep_thread_cores(Connector)
-    vllm_plugin.keep_thread_cores(Connector)  # patching twice wraps once
+    vllm_internals.keep_thread_cores(Connector)
+    vllm_internals.keep_thread_cores(Connector)  # patching twice wraps once
     assert _in_thread(build) == ({first}, {last})  # back on its core; the connector's thread kept its core
 
 
@@ -72,8 +72,8 @@ def test_a_reader_in_its_busy_window_sleeps_between_looks(monkeypatch):
     for _ in range(5):
         cond.wait()
     assert len(yields) == 5  # unpatched: every look yields and returns at once (a core spent looking)
-    vllm_plugin.pause_between_polls(Condition, 200e-6)
-    monkeypatch.setattr(vllm_plugin.time, "sleep", lambda s: sleeps.append(s))
+    vllm_internals.pause_between_polls(Condition, 200e-6)
+    monkeypatch.setattr(vllm_internals.time, "sleep", lambda s: sleeps.append(s))
     cond = Condition()
     for _ in range(5):
         cond.wait()
@@ -85,27 +85,31 @@ def test_a_reader_in_its_busy_window_sleeps_between_looks(monkeypatch):
 
 def test_register_patches_only_what_the_environment_asks_for(monkeypatch):
     called = []
-    monkeypatch.setattr(vllm_plugin, "keep_thread_cores", lambda cls: called.append(("keep", cls.__name__)))
-    monkeypatch.setattr(vllm_plugin, "pause_between_polls", lambda cls, s: called.append(("pause", s)))
-    for env in (vllm_plugin.ENV, vllm_plugin.PAUSE_ENV, vllm_plugin.KEEP_CORES_ENV):
+    monkeypatch.setattr(vllm_internals, "keep_thread_cores", lambda cls: called.append(("keep", cls.__name__)))
+    monkeypatch.setattr(vllm_internals, "pause_between_polls", lambda cls, s: called.append(("pause", s)))
+    for env in (engine_processes.ENV, engine_processes.PAUSE_ENV, engine_processes.KEEP_CORES_ENV):
         monkeypatch.delenv(env, raising=False)
-    vllm_plugin.register()
+    engine_processes.register()
     assert called == []  # other vLLM users get vLLM as it is
-    pytest.importorskip("vllm")
-    monkeypatch.setenv(vllm_plugin.PAUSE_ENV, "200")
-    monkeypatch.setenv(vllm_plugin.KEEP_CORES_ENV, "1")
-    vllm_plugin.register()
+    monkeypatch.setenv(engine_processes.PAUSE_ENV, "200")
+    monkeypatch.setenv(engine_processes.KEEP_CORES_ENV, "1")
+    engine_processes.register()
     assert ("pause", 200e-6) in called and ("keep", "NixlBaseConnectorWorker") in called
 
 
-def test_vllm_classes_still_look_as_the_patches_assume():
-    """A vLLM upgrade that renames what the patches touch must fail here, not silently unpatch."""
-    shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
-    base_worker = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-    init, wait = inspect.getsource(shm.SpinCondition.__init__), inspect.getsource(shm.SpinCondition.wait)
-    assert all(name in init for name in ("self.is_reader", "self.last_read", "self.busy_loop_s"))
-    assert "sched_yield()" in wait and "busy_loop_s" in wait
-    assert "sched_setaffinity(0" in inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+def test_a_patch_whose_vllm_class_moved_fails_naming_it(monkeypatch):
+    """A vLLM upgrade that moved what a patch touches stops the engine process, instead of running it unpatched."""
+    from skyline.core.vllm_contract import SUPPORTED_VLLM, Internal, VllmDrift
+
+    moved = Internal("vllm.distributed.device_communicators.shm_broadcast", "SpinConditionMoved",
+                     vllm_internals.SPIN_CONDITION.used_for)
+    monkeypatch.setattr(vllm_internals, "SPIN_CONDITION", moved)
+    monkeypatch.setenv(engine_processes.PAUSE_ENV, "200")
+    monkeypatch.delenv(engine_processes.ENV, raising=False)
+    monkeypatch.delenv(engine_processes.KEEP_CORES_ENV, raising=False)
+    with pytest.raises(VllmDrift, match="shm_broadcast.SpinConditionMoved") as err:
+        engine_processes.register()
+    assert SUPPORTED_VLLM in str(err.value) and "docs/vllm-versions.md" in str(err.value)
 
 
 def test_the_configured_kv_block_reaches_vllms_engine_args():

@@ -48,7 +48,7 @@ WORKER = """
 import multiprocessing, sys, time
 
 def engine_core():
-    from skyline.workers.engines.vllm_plugin import register
+    from skyline.workers.engines.engine_processes import register
     register()
     time.sleep(60)
 

@@ -184,14 +184,14 @@ def test_kv_bytes_per_token_from_the_model_shape():
 
     import torch
 
-    from skyline.workers.engines.vllm_engine import _kv_bytes_per_token
+    from skyline.workers.engines.vllm_internals import kv_bytes_per_token
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, float32 -> K and V = 2 * 30 * 3 * 64 * 4 bytes.
     mc = SimpleNamespace(dtype=torch.float32, get_num_layers=lambda pc: 30, get_num_kv_heads=lambda pc: 3,
                          get_head_size=lambda: 64)
     llm = SimpleNamespace(model_config=mc, vllm_config=SimpleNamespace(parallel_config=None))
-    assert _kv_bytes_per_token(llm) == 46_080
-    assert _kv_bytes_per_token(SimpleNamespace()) is None  # an API it does not know: no bytes, no crash
+    assert kv_bytes_per_token(llm) == 46_080
+    assert kv_bytes_per_token(SimpleNamespace()) is None  # an API it does not know: no bytes, no crash
 
 
 def test_minute_keys_are_whole_minutes_even_for_sub_millisecond_times():

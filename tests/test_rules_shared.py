@@ -322,7 +322,7 @@ def _watch_steps(w, log: list, monkeypatch) -> None:
     """Every step the simulated decode engine shapes is shaped by the live vLLM scheduler hook too: the same
     prompts (started ones running, the others waiting) and decodes, on the same clock; the decode-only steps
     the simulator runs in closed form in between are shown to the hook as one step with decodes only."""
-    vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+    from skyline.workers.engines import vllm_scheduler
     monkeypatch.setattr(vllm_scheduler, "time", SimpleNamespace(monotonic=lambda: w.sim.loop.now))
     hook, last = _live_hook(vllm_scheduler, w), {"k": None}
     real = sim_decode.shape_step
@@ -412,7 +412,7 @@ def test_a_decode_only_step_ends_a_run_of_held_steps_as_in_the_live_hook(monkeyp
     """The simulator computes decode-only steps in closed form, without the step hook; the live hook sees each
     of them, and a step that holds nothing back ends the run of held steps. The simulated engine, leaving its
     stepped mode with streams still decoding, does the same."""
-    vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+    from skyline.workers.engines import vllm_scheduler
     cfg = _config("decode")
     sim = Simulation(cfg, FleetSpec("colocated", 0, 1), HandModel("p", 1_000.0),
                      HandModel("d", 1_000.0, max_step_tokens=256, step_s=0.02))

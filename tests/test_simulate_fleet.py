@@ -96,7 +96,7 @@ def test_calibration_with_steps_shaped_by_tier():
 
 def test_calibration_of_the_disaggregated_fleet_with_engines_on_their_own_cores():
     """The disaggregated CPU fleet (1-core prefill engine on core 0, 1-core decode engine on core 1),
-    measured at six rates once its engines kept their cores (vllm_plugin.py; 2026-12-01, 16:45-17:25)
+    measured at six rates once its engines kept their cores (engine_processes.py; 2026-12-01, 16:45-17:25)
     and replayed on the engines profiled right after the second run, their measured neighbour
     slowdown included (`--shared-host`): attainment within 10 points at every rate and p50 TTFT
     within 20% (measured: 4 points, +6% to +17%; on the profile taken between the runs, 0.6 req/s is

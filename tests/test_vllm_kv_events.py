@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+import vllm.distributed.kv_events as kv_events
 
-from skyline.scheduler.prefix import block_chain  # noqa: E402
-from skyline.workers.engines.base import CacheDelta  # noqa: E402
-from skyline.workers.engines.vllm_kv_events import ChainState, KvEventReader, ipc_endpoint, translate  # noqa: E402
+from skyline.scheduler.prefix import block_chain
+from skyline.workers.engines.base import CacheDelta
+from skyline.workers.engines.vllm_kv_events import ChainState, KvEventReader, ipc_endpoint, translate
 
 BlockStored, BlockRemoved, AllBlocksCleared = kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared
 BS = 4

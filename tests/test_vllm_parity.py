@@ -48,7 +48,7 @@ def reference(tmp_path_factory):
     """A plain vLLM OpenAI server, as a user runs it (`vllm serve` is `python -m vllm.entrypoints.openai.api_server`
     under this distribution's name)."""
     from skyline.tools.model import resolve_model
-    from skyline.workers.engines import vllm_plugin
+    from skyline.workers.engines import engine_processes
 
     port = free_port()
     log = open(tmp_path_factory.mktemp("reference") / "vllm.log", "wb")
@@ -59,7 +59,7 @@ def reference(tmp_path_factory):
          "--host", "127.0.0.1", "--port", str(port), *TOOL_FLAGS],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
-                 **{vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}))
+                 **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600

@@ -10,9 +10,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-import pytest
-
-vllm_scheduler = pytest.importorskip("skyline.workers.engines.vllm_scheduler")
+from skyline.workers.engines import vllm_scheduler
 
 
 class _VllmStandIn:

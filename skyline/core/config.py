@@ -97,7 +97,7 @@ class EngineConfig:
     # vLLM may hand out the blocks of an expired lease to other requests.
     kv_lease_s: float = 60.0
     # CPU niceness of the engine processes (0 = unchanged). Off by default: with
-    # NIXL's progress thread quieted (vllm_plugin.py) the control plane is not
+    # NIXL's progress thread quieted (engine_processes.py) the control plane is not
     # starved, and a niced multi-core engine loses its OpenMP threads to any other
     # process mid-step (measured: TPOT 50 ms -> seconds on a busy 2-core host).
     engine_nice: int = 0

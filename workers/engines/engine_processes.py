@@ -1,4 +1,11 @@
-"""A vLLM general plugin (entry point `vllm.general_plugins`): CPU engines that keep to their cores.
+"""Skyline's adjustments to vLLM's engine processes, registered as a vLLM general plugin (entry point
+`vllm.general_plugins`, `skyline_engine_processes`): the parent-death signal, and CPU engines that keep
+to their cores.
+
+vLLM loads general plugins in every process it starts (and in the worker's own), the only way
+to reach the engine-core and executor processes. The patches themselves are vLLM internals and
+live in workers/engines/vllm_internals.py: one that moved raises there, naming it, so an engine
+fails to start instead of running unpatched.
 
 Three things in a vLLM CPU engine take cores from the engines on a host whose
 cores are all computing: two threads that poll in a loop, and the NIXL
@@ -55,12 +62,14 @@ engine outlives a worker killed with SIGKILL (skyline/core/lifetime.py).
 
 from __future__ import annotations
 
-import importlib
+import logging
 import os
-import time
 
 from skyline.core import envs
 from skyline.core.lifetime import engine_process_ends_with_parent
+from skyline.workers.engines import vllm_internals
+
+log = logging.getLogger("skyline.engine.vllm")
 
 ENV = envs.NIXL_PROGRESS_DELAY_US.name
 PAUSE_ENV = envs.SHM_POLL_PAUSE_US.name
@@ -75,89 +84,23 @@ def register() -> None:
     _connector_keeps_engine_cores()
 
 
-def _vllm_class(module: str, name: str) -> type | None:
-    """A class of vLLM's to patch, or None where this vLLM (or machine) has no such module or class."""
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-
-
 def _connector_keeps_engine_cores() -> None:
-    if not envs.NIXL_KEEP_CORES.is_set() or not hasattr(os, "sched_setaffinity"):
+    if not envs.NIXL_KEEP_CORES.is_set():
         return
-    cls = _vllm_class("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlBaseConnectorWorker")
-    if cls is not None:
-        keep_thread_cores(cls)
-
-
-def keep_thread_cores(cls: type) -> None:
-    """Building a `cls` leaves the building thread on the cores it had (patched once per class)."""
-    if cls.__dict__.get("_skyline_keeps_cores"):
+    if not hasattr(os, "sched_setaffinity"):
+        # Optional by platform: without thread affinity (not Linux) nothing pins the thread either.
+        log.info("%s set, but this platform has no thread affinity: nothing to keep", KEEP_CORES_ENV)
         return
-    real_init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        cores = os.sched_getaffinity(0)  # this thread's: the engine's OpenMP binding
-        try:
-            real_init(self, *args, **kwargs)
-        finally:
-            os.sched_setaffinity(0, cores)
-
-    cls.__init__ = __init__
-    cls._skyline_keeps_cores = True
+    vllm_internals.keep_cores_while_nixl_worker_builds()
 
 
 def _sleeping_queue_readers() -> None:
     value = envs.SHM_POLL_PAUSE_US.get()
-    if not value:
-        return
-    cls = _vllm_class("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
-    if cls is not None:
-        pause_between_polls(cls, int(value) / 1e6)
-
-
-def pause_between_polls(cls: type, pause_s: float) -> None:
-    """A reader of `cls` (vLLM's SpinCondition) in its busy-polling window sleeps `pause_s` per look
-    instead of yielding the core and coming straight back; past the window vLLM's own wait runs."""
-    if cls.__dict__.get("_skyline_pause_s") is not None:
-        return
-    real_wait = cls.wait
-
-    def wait(self, timeout_ms=None):
-        if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
-            time.sleep(pause_s)
-            return
-        real_wait(self, timeout_ms)
-
-    cls.wait = wait
-    cls._skyline_pause_s = pause_s
+    if value:
+        vllm_internals.pause_shm_queue_readers(int(value) / 1e6)
 
 
 def _sleeping_progress_thread() -> None:
     delay = envs.NIXL_PROGRESS_DELAY_US.get()
-    if not delay:
-        return
-    try:
-        import nixl._api as api  # the CUDA-major-specific backend module
-    except ImportError:
-        return
-    real = api.nixlBind
-    if getattr(real, "_skyline_delay", None) is not None:
-        return  # already patched in this process
-    api.nixlBind = _DelayedBind(real, int(delay))
-
-
-class _DelayedBind:
-    """The NIXL binding module with `nixlAgent` setting the progress-thread delay."""
-
-    def __init__(self, real, delay_us: int):
-        self._real = real
-        self._skyline_delay = delay_us
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def nixlAgent(self, name, config):  # noqa: N802 - mirrors the binding's name
-        config.pthrDelay = self._skyline_delay
-        return self._real.nixlAgent(name, config)
+    if delay:
+        vllm_internals.delay_nixl_progress_thread(int(delay))

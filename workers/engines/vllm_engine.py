@@ -17,7 +17,7 @@ Evidence that the KV came over NIXL (checked in vLLM 0.32 sources):
   * `PrefillStats.num_external_cached_tokens` on the engine-core output is the
     number of prompt tokens loaded through the KV connector for that request.
     It is not copied into RequestOutput, so we tap OutputProcessor.process_outputs
-    to read it (`num_remote_tokens`). It is > 0 only when blocks were pulled.
+    to read it (`num_remote_tokens`; vllm_internals.py). It is > 0 only when blocks were pulled.
   * `RequestOutput.num_cached_tokens` = local prefix-cache hits + connector
     tokens. Caveat: when the handle carries `remote_prefill_cached_tokens`
     (the prefill engine's own prefix-cache hits, added by vLLM's scheduler),
@@ -26,6 +26,9 @@ Evidence that the KV came over NIXL (checked in vLLM 0.32 sources):
 
 What the prefix cache holds (`cache_delta`) comes from vLLM's own KV cache
 events, read and translated into Skyline's block chain by vllm_kv_events.py.
+
+The vLLM internals this engine uses (the output processor, the stat logger, KV rejections, an
+idle engine's step) are in vllm_internals.py; here only vLLM's public API is called.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any
 
 from skyline.core import logprobs
 from skyline.core.messages import SamplingSpec
-from skyline.workers.engines import vllm_kv_events
+from skyline.workers.engines import vllm_internals, vllm_kv_events
 from skyline.workers.engines.base import (
     CacheDelta, Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult,
 )
@@ -126,7 +129,7 @@ class VllmEngine(Engine):
         self._kv_events: vllm_kv_events.KvEventReader | None = None
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._in_flight: set[str] = set()
-        self._sched: Any = None  # latest vLLM SchedulerStats (from our stat logger)
+        self._sched: vllm_internals.StepReport | None = None  # the latest step's (from our stat logger)
         # Engine steps whose stats reached this process: vLLM reports every step that has requests
         # (one waiting for remote KV included), so while requests are in, this count moves.
         self._steps = 0
@@ -153,19 +156,19 @@ class VllmEngine(Engine):
         import torch
 
         from skyline.core.lifetime import mark_engine_processes
-        from skyline.workers.engines import vllm_plugin
+        from skyline.workers.engines import engine_processes
 
-        mark_engine_processes()  # engine-core and executor processes end with this worker (vllm_plugin.py)
+        mark_engine_processes()  # engine-core and executor processes end with this worker (engine_processes.py)
         if not torch.cuda.is_available():
-            # CPU engines (vllm_plugin.py, loaded by vLLM in the engine processes): vLLM's engine-core
+            # CPU engines (engine_processes.py, loaded by vLLM in the engine processes): vLLM's engine-core
             # and executor processes would spin on their shared-memory queues through every step, on
             # cores the engines compute on.
-            os.environ.setdefault(vllm_plugin.PAUSE_ENV, vllm_plugin.POLL_PAUSE_US)
+            os.environ.setdefault(engine_processes.PAUSE_ENV, engine_processes.POLL_PAUSE_US)
             if self.kv_transfer:
                 # CPU KV buffers: NIXL's progress thread would busy-poll the engine's own core...
-                os.environ.setdefault(vllm_plugin.ENV, "200")
+                os.environ.setdefault(engine_processes.ENV, "200")
                 # ... and the connector would move the engine's computing thread to the host's last core.
-                os.environ.setdefault(vllm_plugin.KEEP_CORES_ENV, "1")
+                os.environ.setdefault(engine_processes.KEEP_CORES_ENV, "1")
 
     def _engine_args(self) -> Any:
         import torch
@@ -219,20 +222,25 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._set_env()
-        _quiet_iteration_lines()
+        vllm_internals.quiet_iteration_lines()
         t0 = time.monotonic()
         if self.cache_events:
             # Subscribed before the engine core exists, so that no step's events go by unseen.
             self._kv_events = vllm_kv_events.KvEventReader(vllm_kv_events.ipc_endpoint())
         try:
             with self._engine_priority():
-                self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[self._stat_logger_factory])
+                self._llm = AsyncLLM.from_engine_args(self._engine_args(), stat_loggers=[
+                    vllm_internals.stat_logger_factory(self._on_step_report)])
         except BaseException:
             self._close_kv_events()
             raise
-        self._watch_prefix_cache()
-        self._tap_prefill_stats()
-        self.kv_bytes_per_token = _kv_bytes_per_token(self._llm)
+        try:
+            self._watch_prefix_cache()
+            vllm_internals.tap_connector_tokens(self._llm, self._remote_tokens)  # raises if vLLM's moved
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.kv_bytes_per_token = vllm_internals.kv_bytes_per_token(self._llm)
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s, prefix-cache blocks of %d tokens reported)",
                  self.start_seconds, self.model, self.cpu_bind, self.nixl_port, self.cache_block_size)
@@ -240,11 +248,11 @@ class VllmEngine(Engine):
     def _watch_prefix_cache(self) -> None:
         """Report the prefix cache in blocks of the engine's size, if the engine caches prefixes at all
         (vLLM may turn it off, e.g. for MLA models on CPU): without it there are no events."""
-        cc = self._llm.vllm_config.cache_config
-        if self._kv_events is None or not cc.enable_prefix_caching:
+        block_size = vllm_internals.prefix_cache_block_size(self._llm)
+        if self._kv_events is None or not block_size:
             self._close_kv_events()
             return
-        self._kv_events.state.block_size = self.cache_block_size = int(cc.block_size)
+        self._kv_events.state.block_size = self.cache_block_size = block_size
 
     def _close_kv_events(self) -> None:
         self.cache_block_size = 0
@@ -420,7 +428,7 @@ class VllmEngine(Engine):
         if self._llm is None:
             return
         handle = {k: v for k, v in kv_handle.items() if k != "remote_prefill_cached_tokens"}
-        await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-release", handle)
+        await vllm_internals.reject_kv_transfer(self._llm, f"{request_id}-release", handle)
         if handle.get("remote_engine_id") not in self._pulled_from:
             # From a prefill engine this one has not read from, vLLM handshakes in the background and
             # sends the notification at a later step, which an idle engine never takes (seen: the
@@ -431,30 +439,22 @@ class VllmEngine(Engine):
             task.add_done_callback(self._nudges.discard)
 
     async def _step_soon(self, request_id: str) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
         for i, delay_s in enumerate((0.5, 2.0)):
             await asyncio.sleep(delay_s)
             if self._llm is None:
                 return
             if not self._in_flight:
-                async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, f"{request_id}-step-{i}"):
-                    pass
+                await vllm_internals.take_one_step(self._llm, f"{request_id}-step-{i}")
 
     def stats(self) -> EngineStats:
         s = self._sched
         if s is None or not self._in_flight:
             # vLLM only reports stats after engine steps; with nothing in
             # flight the last report may be stale, so trust our own count.
-            return EngineStats(running=0, waiting=0, kv_usage=float(getattr(s, "kv_cache_usage", 0.0) or 0.0))
-        running = min(int(s.num_running_reqs), len(self._in_flight))
-        waiting = min(int(s.num_waiting_reqs + getattr(s, "num_skipped_waiting_reqs", 0)),
-                      len(self._in_flight) - running)
-        return EngineStats(running=running, waiting=waiting, kv_usage=float(s.kv_cache_usage))
+            return EngineStats(running=0, waiting=0, kv_usage=s.kv_usage if s is not None else 0.0)
+        running = min(s.running, len(self._in_flight))
+        waiting = min(s.waiting, len(self._in_flight) - running)
+        return EngineStats(running=running, waiting=waiting, kv_usage=s.kv_usage)
 
     def progress(self) -> tuple[int, int] | None:
         return len(self._in_flight), self._steps
@@ -474,61 +474,18 @@ class VllmEngine(Engine):
 
     # ---- vLLM hooks ------------------------------------------------------
 
-    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        engine = self
-
-        class _Tap(StatLoggerBase):
-            """Keeps the latest SchedulerStats (running, waiting, KV usage) for stats()."""
-
-            def __init__(self, vllm_config: Any, engine_index: int = 0):
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-                if scheduler_stats is None:
-                    return
-                engine._sched = scheduler_stats
-                engine._steps += 1
-                step = getattr(scheduler_stats, "iteration_details", None)  # vLLM >= 0.32, when enabled
-                if step is None or step.is_dummy:
-                    return
-                if engine.on_step is not None:
-                    engine.on_step(step.num_ctx_tokens, step.num_generation_tokens, step.elapsed_ms / 1000)
-                if steps_log.isEnabledFor(logging.DEBUG):  # `--log-level debug`: each step, to line up with events
-                    steps_log.debug("engine step: %d prompt + %d decode tokens in %.1f ms (running %d, waiting %d)",
-                                    step.num_ctx_tokens, step.num_generation_tokens, step.elapsed_ms,
-                                    scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
-
-            def log_engine_initialized(self):
-                pass
-
-        return _Tap(vllm_config, engine_index)
-
-    def _tap_prefill_stats(self) -> None:
-        """Record per request how many prompt tokens came through the KV connector.
-
-        PrefillStats is an internal vLLM structure; if it moves, evidence falls
-        back to num_cached_tokens (num_remote_tokens then stays 0).
-        """
-        proc = getattr(self._llm, "output_processor", None)
-        original = getattr(proc, "process_outputs", None)
-        if original is None:
-            log.warning("vLLM output processor not found; num_remote_tokens unavailable")
+    def _on_step_report(self, report: vllm_internals.StepReport) -> None:
+        """Each engine step's scheduler stats (running, waiting, KV usage) for stats(), and the step for on_step."""
+        self._sched = report
+        self._steps += 1
+        if not report.has_step:
             return
-        remote = self._remote_tokens
-
-        def process_outputs(engine_core_outputs, *args, **kwargs):
-            for eco in engine_core_outputs:
-                ps = getattr(eco, "prefill_stats", None)
-                n = getattr(ps, "num_external_cached_tokens", 0) if ps is not None else 0
-                if n:
-                    state = proc.request_states.get(eco.request_id)
-                    if state is not None:
-                        remote[getattr(state, "external_req_id", eco.request_id)] = n
-            return original(engine_core_outputs, *args, **kwargs)
-
-        proc.process_outputs = process_outputs
+        if self.on_step is not None:
+            self.on_step(report.prompt_tokens, report.decode_tokens, report.elapsed_ms / 1000)
+        if steps_log.isEnabledFor(logging.DEBUG):  # `--log-level debug`: each step, to line up with events
+            steps_log.debug("engine step: %d prompt + %d decode tokens in %.1f ms (running %d, waiting %d)",
+                            report.prompt_tokens, report.decode_tokens, report.elapsed_ms, report.running,
+                            report.waiting)
 
 
 def sampling_params(spec: SamplingSpec) -> Any:
@@ -573,30 +530,3 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy / torch scalars
         return value.item()
     return str(value)
-
-
-class _NoIterationLines(logging.Filter):
-    """Drops vLLM's per-step "Iteration(n): ..." INFO line: the step details are enabled for the
-    worker's metrics (several steps a second), not for the log; vLLM's periodic stats still log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("%sIteration(")
-
-
-def _quiet_iteration_lines() -> None:
-    target = logging.getLogger("vllm.v1.metrics.loggers")
-    if not any(isinstance(f, _NoIterationLines) for f in target.filters):
-        target.addFilter(_NoIterationLines())
-
-
-def _kv_bytes_per_token(llm: Any) -> int | None:
-    """K and V of one token across all layers of this engine's shard, in bytes (None if unknown)."""
-    try:
-        import torch
-
-        mc, pc = llm.model_config, llm.vllm_config.parallel_config
-        itemsize = torch.empty((), dtype=mc.dtype).element_size()
-        return 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * itemsize
-    except Exception:  # noqa: BLE001 - a vLLM API change must not stop the engine; bytes are optional
-        log.warning("cannot size the KV cache per token; KV transfer bytes will not be reported", exc_info=True)
-        return None

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyline.scheduler.prefix import chain_from
+from skyline.workers.engines import vllm_internals
 from skyline.workers.engines.base import CacheDelta
 
 log = logging.getLogger("skyline.engine.kv_events")
@@ -68,20 +69,7 @@ def ipc_endpoint() -> str:
 
 def kv_events_config(endpoint: str) -> Any:
     """The vLLM KVEventsConfig that makes the engine publish its prefix cache's events on `endpoint`."""
-    from vllm.config import KVEventsConfig
-
-    return KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=endpoint,
-        # No replay: after a gap the reader starts over (CacheDelta.cleared) instead of asking
-        # for missed batches, so the publisher need not keep past batches in memory either.
-        replay_endpoint=None,
-        buffer_steps=0,
-        hwm=HWM,
-        # Left at vLLM's default (100,000): the scheduler blocks on a full queue, so it must be large.
-        topic="",  # one publisher per endpoint: nothing to tell apart
-    )
+    return vllm_internals.kv_events_config(endpoint, HWM)
 
 
 @dataclass
@@ -147,8 +135,7 @@ def translate(events: Iterable[Any], state: ChainState, seq: int | None = None) 
     `seq`: the batch's sequence number; one that does not follow the previous batch's means
     batches were lost (publisher or subscriber high-water mark): the view starts over from this
     batch (`cleared`), and blocks stored before the gap come back only when stored again."""
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
+    all_blocks_cleared, block_stored, block_removed = vllm_internals.kv_event_types()
     changes = _Changes()
     if seq is not None:
         if seq != state.next_seq:
@@ -157,14 +144,14 @@ def translate(events: Iterable[Any], state: ChainState, seq: int | None = None) 
             changes.clear()
         state.next_seq = seq + 1
     for ev in events:
-        if isinstance(ev, AllBlocksCleared):
+        if isinstance(ev, all_blocks_cleared):
             state.reset()
             changes.clear()
         elif not _ours(ev):
             continue
-        elif isinstance(ev, BlockStored):
+        elif isinstance(ev, block_stored):
             _stored(ev, state, changes)
-        elif isinstance(ev, BlockRemoved):
+        elif isinstance(ev, block_removed):
             _removed(ev, state, changes)
     return changes.delta()
 
@@ -233,11 +220,10 @@ class KvEventReader:
     def __init__(self, endpoint: str, block_size: int = 0):
         import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
         self.endpoint = endpoint
         self.state = ChainState(block_size)  # block_size: set once the engine has chosen it
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._decoder = msgspec.msgpack.Decoder(vllm_internals.kv_event_batch_type())
         self._again = zmq.Again
         self._noblock = zmq.NOBLOCK
         self._ctx = zmq.Context(io_threads=1)  # our own: closing it cannot touch vLLM's sockets

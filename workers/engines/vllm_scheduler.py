@@ -18,14 +18,14 @@ have picked, so setting a scheduler class does not turn async scheduling off.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
 from skyline.scheduler.step_budget import StepShaper
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from skyline.workers.engines import vllm_internals
+
+# vLLM's classes (workers/engines/vllm_internals.py: raises, naming the class, if they moved).
+Scheduler, AsyncScheduler = vllm_internals.scheduler_classes()
 
 CONFIG_KEY = "skyline_step"
 QUALNAME = f"{__name__}.make_scheduler"
@@ -37,8 +37,7 @@ class _StepShaping:
     def _init_step_shaping(self) -> None:
         settings = (self.vllm_config.additional_config or {}).get(CONFIG_KEY, {})
         self._urgent_priority = int(settings.get("urgent_priority", 0))
-        # Our own copy: the cap is rewritten every step and the config object is shared.
-        self.scheduler_config = copy.copy(self.scheduler_config)
+        vllm_internals.own_scheduler_config(self)  # the cap is rewritten every step
         # The rule and its state between steps (when strictest-tier work was last here, steps held in a row).
         self._shaper = StepShaper(urgent_priority=self._urgent_priority, step_tokens=self.max_num_scheduled_tokens,
                                   prefill_cap=self.scheduler_config.long_prefill_token_threshold,
@@ -55,27 +54,21 @@ class _StepShaping:
                 decoding += 1
         # A request waiting for its KV from a prefill engine computes (almost) nothing here.
         prompts.extend((r.priority, r.num_prompt_tokens, False) for r in self.waiting
-                       if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+                       if not vllm_internals.waits_for_remote_kv(r))
         shape = self._shaper.shape(prompts, decoding, time.monotonic())
-        self.max_num_scheduled_tokens = shape.tokens
-        self.scheduler_config.long_prefill_token_threshold = shape.prefill_cap
+        vllm_internals.set_step_shape(self, shape.tokens, shape.prefill_cap)
         if shape.decodes_first:
-            # vLLM takes running requests in list order; stable, so prompts keep theirs.
-            self.running.sort(key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
+            vllm_internals.decodes_first(self)
         held = []
         if shape.hold_background:
-            # Out of the running list for this one schedule(): vLLM then neither gives them tokens
-            # nor sees them as running; they keep their blocks and their place (put back in front).
+            # Out of the running list for this one schedule(), their place kept (put back in front).
             held = [r for r in self.running
                     if r.priority > self._urgent_priority and r.num_computed_tokens < r.num_prompt_tokens]
-            if held:
-                ids = {id(r) for r in held}
-                self.running = [r for r in self.running if id(r) not in ids]
+        put_back = vllm_internals.hold_out_of_running(self, held)
         try:
             return super().schedule(*args, **kwargs)
         finally:
-            if held:
-                self.running[:0] = held
+            put_back()
 
 
 class StepShapingScheduler(_StepShaping, Scheduler):
