@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI
@@ -48,6 +47,9 @@ from skyline.gateway.prepare import Serving, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter, TokenBudgets
 from skyline.gateway.relay import Relay
 from skyline.gateway.tenants import Tenants, api_key_of
+from skyline.gateway.vllm_serving_internals import (
+    allow_vllm_handlers, is_error_response, request_model, responses_stream_as_sse, validation_response,
+)
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
 
@@ -105,7 +107,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             await bounded_step("the Redis client", r.aclose(), log)
 
     app = FastAPI(title="Skyline gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.args = SimpleNamespace(log_error_stack=False)  # read by vLLM's validation error handler
+    allow_vllm_handlers(app)  # what vLLM's validation error handler reads
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
@@ -113,33 +115,24 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        return await generation.serve(request, "chat", ChatCompletionRequest, front.chat.create_chat_completion)
+        return await generation.serve(request, "chat", request_model("chat"), front.chat.create_chat_completion)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-        return await generation.serve(request, "completion", CompletionRequest, front.completion.create_completion)
+        return await generation.serve(request, "completion", request_model("completion"),
+                                      front.completion.create_completion)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-
-        return await generation.serve(request, "responses", ResponsesRequest, _stateless(front))
+        return await generation.serve(request, "responses", request_model("responses"), _stateless(front))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
-
-        return await generation.plain(request, TokenizeRequest, front.tokenization.create_tokenize)
+        return await generation.plain(request, request_model("tokenize"), front.tokenization.create_tokenize)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
-
-        return await generation.plain(request, DetokenizeRequest, front.tokenization.create_detokenize)
+        return await generation.plain(request, request_model("detokenize"), front.tokenization.create_detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -189,9 +182,7 @@ def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
                            param="background")
         result = await front.responses.create_responses(req, raw)
         if hasattr(result, "__anext__"):  # a stream of event objects: SSE as `vllm serve` writes it
-            from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
-
-            return _convert_stream_to_sse_events(result)
+            return responses_stream_as_sse(result)
         return result
 
     return create
@@ -289,9 +280,7 @@ class _GenerationRoutes:
             SCOPE.reset(token)
 
     def _once(self, scope: RequestScope, result: Any) -> Response:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        if isinstance(result, ErrorResponse):
+        if is_error_response(result):
             if scope.error is not None:
                 raise scope.error
             if scope.client_gone:
@@ -446,15 +435,12 @@ def _validate(model: Any, body: dict[str, Any]) -> Any:
 async def _validation_response(request: Request, exc: ValidationError) -> Response:
     """vLLM's answer to a body its request models refuse (as FastAPI hands them to it)."""
     from fastapi.exceptions import RequestValidationError
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
     errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors(include_url=False)]
-    return await validation_exception_handler(request, RequestValidationError(errors))
+    return await validation_response(request, RequestValidationError(errors))
 
 
 def _plain_response(result: Any) -> Response:
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-    if isinstance(result, ErrorResponse):
+    if is_error_response(result):
         return JSONResponse(result.model_dump(), status_code=result.error.code)
     return JSONResponse(result.model_dump())

@@ -24,6 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from skyline.gateway import vllm_serving_internals
+
 log = logging.getLogger("skyline.gateway")
 
 REQUEST_ID_HEADER = "x-skyline-request-id"
@@ -83,13 +85,11 @@ def from_vllm(exc: Exception, request_id: str | None = None) -> ApiError:
     (its status, type, parameter and message) where vLLM wrote that message (`vllm_wrote`).
     Anything else is an internal error: logged with its traceback under `request_id` (a new id
     when the request has none yet), answered with `internal_error`."""
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
     if not vllm_wrote(exc):
         request_id = request_id or new_request_id()
         log.error("internal error, request id %s", request_id, exc_info=exc)
         return internal_error(request_id)
-    err = create_error_response(exc).error
+    err = vllm_serving_internals.error_info(exc)
     return ApiError(int(err.code), err.message, param=err.param, type=err.type, code=int(err.code))
 
 
@@ -125,9 +125,10 @@ def vllm_wrote(exc: BaseException) -> bool:
     conversation ("Cannot apply chat template to an empty conversation") stays the client's."""
     if _template_says(exc):
         return True
-    if type(exc).__module__.split(".")[0] == "vllm":
+    if vllm_serving_internals.is_vllm_type(exc):
         return _passed_on(exc) is None
-    return isinstance(exc, _BARE_CLIENT_TYPES) and _raised_in_vllm(exc) and _passed_on(exc) is None
+    return (isinstance(exc, _BARE_CLIENT_TYPES) and vllm_serving_internals.raised_in_vllm(exc)
+            and _passed_on(exc) is None)
 
 
 def _template_says(exc: BaseException) -> bool:
@@ -145,7 +146,7 @@ def _passed_on(exc: BaseException) -> BaseException | None:
     inner = exc.__cause__ or exc.__context__
     while inner is not None and id(inner) not in seen:
         seen.add(id(inner))
-        refusal = type(inner).__module__.split(".")[0] == "vllm" or _template_says(inner) or (
+        refusal = vllm_serving_internals.is_vllm_type(inner) or _template_says(inner) or (
             type(inner) is ValueError and not _in_template(inner))
         if not refusal and str(inner) == message:
             return inner
@@ -162,22 +163,6 @@ def _in_template(exc: BaseException) -> bool:
         if frame.f_code.co_filename == "<template>" or frame.f_globals.get("__name__", "").startswith("jinja2"):
             return True
         tb = tb.tb_next
-    return False
-
-
-def _raised_in_vllm(exc: BaseException) -> bool:
-    """The innermost frame of the traceback outside the standard library is vLLM's."""
-    import sys
-
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_globals.get("__name__", ""))
-        tb = tb.tb_next
-    for module in reversed(frames):
-        top = module.split(".")[0]
-        if top not in sys.stdlib_module_names:
-            return top == "vllm"
     return False
 
 

@@ -38,6 +38,7 @@ from skyline.gateway.outputs import OutputAssembler
 from skyline.gateway.prepare import Prepared, SloSpec, prepare
 from skyline.gateway.session import Disconnected, Session
 from skyline.gateway.tenants import ANONYMOUS, tenant_of
+from skyline.gateway.vllm_serving_internals import check_inputs, engine_client_class, validation_error
 
 log = logging.getLogger("skyline.gateway")
 
@@ -184,16 +185,13 @@ class FleetClient:
 
     def _check(self, prompt: Any, params: Any, request_id: str, lora_request: Any, priority: int) -> None:
         """vLLM's engine-side checks of a request (its InputProcessor), before anything is queued."""
-        from vllm.exceptions import VLLMValidationError
-
         if priority:
-            raise VLLMValidationError("`priority` is not taken by Skyline: its SLO tiers order requests; send "
-                                      "the `x-slo-tier` header or `slo.tier` instead", parameter="priority",
-                                      value=priority)
+            raise validation_error("`priority` is not taken by Skyline: its SLO tiers order requests; send "
+                                   "the `x-slo-tier` header or `slo.tier` instead", parameter="priority",
+                                   value=priority)
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise VLLMValidationError("Skyline serves token prompts only (no multimodal inputs)", parameter="prompt")
-        self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=("generate",),
-                                            lora_request=lora_request)
+            raise validation_error("Skyline serves token prompts only (no multimodal inputs)", parameter="prompt")
+        check_inputs(self.input_processor, request_id, prompt, params, lora_request)
         # vLLM bounds top_k only in its engine, which takes any top_k at or past the vocabulary as the
         # whole vocabulary (v1 InputBatch). Say so here: a top_k past 64 bits does not encode for the
         # workers, and would be a 500 for a request that means "no top-k".
@@ -264,10 +262,8 @@ def _refuse_engine_extras(prompt: dict, params: Any, session_id: str | None, kv_
                           data_parallel_rank: int | None, reasoning_parser_kwargs: dict | None = None) -> None:
     """What vLLM's server hands its engine beside the prompt and the sampling, which Skyline does not
     carry to its workers: refused with a 400 rather than accepted and dropped."""
-    from vllm.exceptions import VLLMValidationError
-
     def refuse(param: str, why: str) -> None:
-        raise VLLMValidationError(f"`{param}` is not supported by Skyline: {why}", parameter=param)
+        raise validation_error(f"`{param}` is not supported by Skyline: {why}", parameter=param)
 
     extra = params.extra_args or {}
     if extra.get("kv_transfer_params") is not None:
@@ -306,9 +302,5 @@ def fleet_client_class() -> type:
     """FleetClient as a subclass of vLLM's EngineClient (built once, on first use)."""
     global _FLEET_CLIENT_CLASS
     if _FLEET_CLIENT_CLASS is None:
-        from vllm.engine.protocol import EngineClient
-
-        missing = {name: _not_for_a_gateway(name) for name in EngineClient.__abstractmethods__
-                   if not hasattr(FleetClient, name)}
-        _FLEET_CLIENT_CLASS = type("FleetClient", (FleetClient, EngineClient), missing)
+        _FLEET_CLIENT_CLASS = engine_client_class(FleetClient, "FleetClient", _not_for_a_gateway)
     return _FLEET_CLIENT_CLASS

@@ -57,7 +57,6 @@ def test_a_run_without_out_writes_to_an_ignored_folder():
 def test_the_client_parses_as_vllm_bench_serve(tmp_path):
     # The flags must be the names this vLLM version's `vllm bench serve` knows (a rename fails here, not
     # minutes into a run with the engines up).
-    pytest.importorskip("vllm.benchmarks.serve")
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

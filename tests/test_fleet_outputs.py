@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from vllm.sampling_params import RequestOutputKind as Kind
 
 from skyline.core import logprobs, messages as m
 from skyline.gateway.outputs import OutputAssembler
 
-vllm_sampling = pytest.importorskip("vllm.sampling_params")
-Kind = vllm_sampling.RequestOutputKind
 DELTA, CUMULATIVE, FINAL = Kind.DELTA, Kind.CUMULATIVE, Kind.FINAL_ONLY
 
 

@@ -23,6 +23,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from skyline.gateway import vllm_serving_internals
+
 SERVED_MODEL = "skyline-sim"
 TOKEN = ord("x")  # the sim model's byte-level vocabulary: token id = byte
 
@@ -47,7 +49,7 @@ class InstantEngine:
         from vllm.sampling_params import RequestOutputKind
 
         # What AsyncLLM.add_request does before the engine core (the same check the FleetClient runs).
-        self.input_processor.process_inputs(request_id, prompt, sampling_params, supported_tasks=("generate",))
+        vllm_serving_internals.check_inputs(self.input_processor, request_id, prompt, sampling_params)
         ids = list(prompt["prompt_token_ids"])
         total = max(1, int(sampling_params.max_tokens or 1))
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -84,38 +86,27 @@ class InstantEngine:
 
 def _engine_class() -> type:
     """InstantEngine as a subclass of vLLM's EngineClient (its serving code checks the type)."""
-    from vllm.engine.protocol import EngineClient
 
     def unused(name: str):
         async def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(f"{name}: not an operation of the instant engine")
         return refuse
 
-    missing = {name: unused(name) for name in EngineClient.__abstractmethods__ if not hasattr(InstantEngine, name)}
-    return type("InstantEngine", (InstantEngine, EngineClient), missing)
+    return vllm_serving_internals.engine_client_class(InstantEngine, "InstantEngine", unused)
 
 
 async def serve(port: int, max_model_len: int) -> None:
     import uvicorn
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.renderers import renderer_from_config
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.engine.input_processor import InputProcessor
 
     from skyline.core.sim_model import sim_model_dir
-    from skyline.gateway.openai_api import vllm_config
 
     model = str(sim_model_dir())
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+    config = vllm_serving_internals.engine_config(model, max_model_len)
+    engine = _engine_class()(config, *vllm_serving_internals.renderer_and_input_processor(config))
+    app, init_state = vllm_serving_internals.api_server_app(
         ["--model", model, "--served-model-name", SERVED_MODEL, "--max-model-len", str(max_model_len),
-         "--disable-log-stats", "--disable-uvicorn-access-log"])
-    config = vllm_config(model, max_model_len)
-    renderer = renderer_from_config(config)
-    engine = _engine_class()(config, renderer, InputProcessor(config, renderer))
-    app = build_app(args, ("generate",), config.model_config)
-    await init_app_state(engine, app.state, args, ("generate",))
+         "--disable-log-stats", "--disable-uvicorn-access-log"], engine, config.model_config)
+    await init_state()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
     await server.serve()

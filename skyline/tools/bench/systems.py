@@ -216,10 +216,11 @@ def _start_vllm(run: Running, log_dir: Path, timeout_s: float) -> None:
 def _spawn_vllm(run: Running, name: str, cores: str, log_dir: Path) -> str:
     """Start one vLLM OpenAI server bound to `cores`; returns its base URL."""
     from skyline.tools.model import DEFAULT_MODEL_NAME, resolve_model
-    from skyline.workers.engines import vllm_plugin
+    from skyline.gateway.vllm_serving_internals import API_SERVER_MODULE
+    from skyline.workers.engines import engine_processes
 
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
+    argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", resolve_model("default"),
             "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", "float32", "--max-model-len", str(VLLM_MAX_MODEL_LEN),
             "--host", "127.0.0.1", "--port", str(port),
             # Eager mode starts in ~16 s instead of ~70 s and decodes as fast on CPU.
@@ -229,9 +230,9 @@ def _spawn_vllm(run: Running, name: str, cores: str, log_dir: Path) -> str:
     if run.spec.block_size:
         argv += ["--block-size", str(run.spec.block_size)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
-           # The CPU fix Skyline's own engines get (vllm_plugin.py: queue readers that sleep instead of
+           # The CPU fix Skyline's own engines get (engine_processes.py: queue readers that sleep instead of
            # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
-           vllm_plugin.PAUSE_ENV: vllm_plugin.POLL_PAUSE_US}
+           engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}
     _spawn(run, name, argv, log_dir, env)
     return f"http://127.0.0.1:{port}"
 

