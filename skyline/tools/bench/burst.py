@@ -85,5 +85,6 @@ def main(args) -> None:
     for k, r in enumerate(results):
         print(f"trial {k}: interactive TTFT {r['chat_ttft_s']:.2f} s; RAG TTFTs {r['rag_ttft_s']}", flush=True)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"min_remote_prefill_tokens": args.min_remote_prefill_tokens,
                                               "trials": results}, indent=2))
