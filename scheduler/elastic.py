@@ -18,11 +18,14 @@ prompt does not claim it back; past `HANDOFF_HOLD_MS` any worker may.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 STAGES_OF_ROLE = {"prefill": ("prefill",), "decode": ("decode",), "elastic": ("decode", "prefill")}
 ROLES = tuple(STAGES_OF_ROLE)
+# Of two stages' heads due at the same time, the first stage's is claimed first: a stream already started
+# finishes before a new prompt begins.
+STAGE_ORDER = STAGES_OF_ROLE["elastic"]
 
 # How long a hand-off placed for a peer waits for it before any worker of the stage may claim it (the
 # peer had room when it was chosen: it claims within a loop turn unless it died or filled up).
@@ -44,6 +47,18 @@ class PeerLoad(Protocol):
     kv_usage: float
     kv_watermark: float  # 0: it claims at any KV usage
     running_tokens: int  # tokens of the prompts its engine is computing
+
+
+def stage_due_first(due_ms: Mapping[str, int]) -> str | None:
+    """The stage an elastic worker claims from next, of `due_ms` (stage -> the deadline of the head it
+    may claim there; a stage with none left out): earliest deadline first, `STAGE_ORDER` among equals.
+    The live worker (skyline/core/stage_queues.py) and the simulated one (skyline/tools/simulate) ask it."""
+    best: str | None = None
+    for stage in STAGE_ORDER:
+        due = due_ms.get(stage)
+        if due is not None and (best is None or due < due_ms[best]):
+            best = stage
+    return best
 
 
 def has_room(peer: PeerLoad, prompt_budget: int) -> bool:

@@ -14,7 +14,7 @@ from skyline.tools.simulate import native
 
 # Fleets that take every path of the event loop: both modes, tight targets (admission refuses), a shared
 # host; a CPU fleet past its prefill capacity (preemption, requeues); multi-turn sessions with prefix
-# caches, with and without affinity.
+# caches, with and without affinity; elastic workers beside fixed pools (hand-offs, both stages claimed).
 PROFILE = str(Path(__file__).parents[1] / "skyline/tools/simulate/profiles/cpu-2core-2026-12-01.json")
 RUNS = {
     "overloaded-cpu": ["--profile", PROFILE, "--mode", "both", "--prefill", "1", "--decode", "2", "--rates", "3,6",
@@ -22,6 +22,9 @@ RUNS = {
     "mixed": ["--gpu", "H100", "--model", "llama-3-8b", "--mode", "both", "--prefill", "2", "--decode", "6",
               "--rates", "30,60", "--duration", "20", "--lengths", "sharegpt", "--mix", "0.5",
               "--slo-ttft-ms", "chat=150,rag=600", "--slo-tpot-ms", "40", "--shared-host", "1.2", "--drain", "10"],
+    "elastic": ["--gpu", "H100", "--model", "llama-3-8b", "--mode", "disagg", "--prefill", "1", "--decode", "3",
+                "--elastic-workers", "4", "--rates", "30,60", "--duration", "20", "--lengths", "sharegpt", "--mix",
+                "0.5", "--slo-ttft-ms", "chat=150,rag=600", "--slo-tpot-ms", "40", "--drain", "10"],
     "multiturn": ["--gpu", "H100", "--model", "llama-3-8b", "--mode", "colocated", "--colocated-workers", "8",
                   "--workload", "multiturn", "--rates", "4", "--duration", "20", "--affinity", "both",
                   "--slo-ttft-ms", "chat=200,rag=800", "--slo-tpot-ms", "40"],

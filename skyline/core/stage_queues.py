@@ -13,8 +13,7 @@ from __future__ import annotations
 from skyline.core import messages
 from skyline.core.streams import Claimed, Head, Take, TierQueues, now_ms
 from skyline.scheduler.edf import pick_tier
-
-STAGE_ORDER = ("decode", "prefill")  # of heads due at the same time, the first stage's is claimed first
+from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
 
 
 def stage_of_message(msg: messages.Message) -> str:
@@ -57,18 +56,19 @@ class StageQueues:
 
     def pick(self, heads: list[tuple[str, Head]], tiers: tuple[str, ...] | None = None) -> tuple[str, Head] | None:
         """The head to claim: earliest deadline first over every stage (the tiers' EDF, `pick_tier`, within
-        each deadline), the decode stage first among equals; among `tiers` only, if given."""
-        best: tuple[str, Head] | None = None
+        each stage), the decode stage first among equals (`stage_due_first`); among `tiers` only, if given."""
+        first: dict[str, Head] = {}  # stage -> its head due first
         for stage, head in heads:
             if tiers is not None and head.tier not in tiers:
                 continue
-            if best is None or head.deadline_ms < best[1].deadline_ms:
-                best = (stage, head)
-            elif head.deadline_ms == best[1].deadline_ms and best[0] == stage:
-                tier = pick_tier({best[1].tier: best[1].deadline_ms, head.tier: head.deadline_ms}, self.tier_names)
-                if tier == head.tier:
-                    best = (stage, head)
-        return best
+            seen = first.get(stage)
+            if seen is None or head.deadline_ms < seen.deadline_ms or (
+                    head.deadline_ms == seen.deadline_ms
+                    and pick_tier({seen.tier: seen.deadline_ms, head.tier: head.deadline_ms},
+                                  self.tier_names) == head.tier):
+                first[stage] = head
+        stage = stage_due_first({s: h.deadline_ms for s, h in first.items()})
+        return None if stage is None else (stage, first[stage])
 
     async def peek_heads(self, block_ms: int) -> dict[str, Head]:
         """tier -> its head due first over every stage (what a full worker's preemption check reads)."""

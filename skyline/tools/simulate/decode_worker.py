@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from skyline.tools.simulate.fleet import Simulation
     from skyline.tools.simulate.prefill_worker import PrefillWorker
     from skyline.tools.simulate.prefix_cache import PrefixCache
+    from skyline.tools.simulate.queues import StageQueues
 
 PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
 
@@ -59,11 +60,13 @@ class _Member:
 
 
 class _Local:
-    __slots__ = ("aborted", "claimed_at", "done", "order", "req")
+    __slots__ = ("aborted", "claimed_at", "done", "hand_to", "order", "queue", "req")
 
-    def __init__(self, req: SimRequest, order: int, now: float):
+    def __init__(self, req: SimRequest, order: int, now: float, queue: StageQueues, hand_to: str | None):
         # a prefix-cache hit: the engine computes only the rest
         self.req, self.done, self.order, self.claimed_at, self.aborted = req, req.cached_tokens, order, now, False
+        self.queue = queue  # the stage it was claimed from: where it goes back if preempted, whose backlog it is
+        self.hand_to = hand_to  # an elastic worker's choice: the peer that decodes it (None: decoded here)
 
 
 class DecodeWorker:
@@ -146,43 +149,65 @@ class DecodeWorker:
     def claim_while_room(self, limit: int = 1 << 30) -> None:
         """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
         sim = self.sim
-        q, now = sim.decode_q, sim.loop.now
+        now = sim.loop.now
         room = None  # has_room() as last asked, while nothing changed since (None: ask again)
-        while q.size and limit > 0:
+        while self.work_waiting() and limit > 0:
             room = self.has_room()
             if not room:
                 break
-            item = claim_for(self, q, self.local)
+            q = self.queue_to_claim()
+            item = claim_for(self, q, self.local) if q is not None else None
             if item is None:  # shielded and only looser tiers wait, or only work placed for others
                 if self.claims.shield is not None:
                     return  # out of the ready queue: nothing there is its to take; its own steps claim again
                 break
             room = None
             limit -= 1
-            req: SimRequest = item[0]
-            prefill_end: float | None = item[1]
-            self.reserved += req.prompt_tokens
-            if self.headroom > 0:
-                self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
-            if prefill_end is not None and not handle_expired((now - prefill_end) * 1000, sim.kv_lease_s):
-                self.arriving += 1
-                sim.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
-            else:
-                self.preempt(req)  # live: a prompt computed here competes for the step budget
-                if self.cache is not None and req.chain is not None:
-                    req.cached_tokens = self.cache.hit(req)  # the engine computes only the rest
-                self._order += 1
-                self.local.append(_Local(req, self._order, now))
-                self.local_tokens += req.prompt_tokens
-                if not self.stepping:
-                    self._align(now)
-                    self.stepping = True
-                    self.due = None  # the wake-up armed for the closed-form batch finds nothing due
-                    self._start_mixed()
+            self.take(item, q, now)  # type: ignore[arg-type]
         # Back in the ready queue while it has room (called after every batch event)
         if not self.in_ready and (self.has_room() if room is None else room):
             self.in_ready = True
             sim.decode_ready.append(self)
+
+    def work_waiting(self) -> bool:
+        """Is anything queued in the stages it consumes (an elastic worker: both)?"""
+        return self.sim.decode_q.size > 0
+
+    def queue_to_claim(self) -> StageQueues | None:
+        """The stage queue its next claim takes from (an elastic worker: the one due first)."""
+        return self.sim.decode_q
+
+    def take(self, item: tuple, q: StageQueues, now: float) -> None:
+        """Start a claimed entry: pull its KV (joining the batch when it arrives), or compute its prompt here."""
+        req: SimRequest = item[0]
+        prefill_end: float | None = item[1]
+        self.reserved += req.prompt_tokens
+        if self.headroom > 0:
+            self.tpot_held[req.tpot_ms] = self.tpot_held.get(req.tpot_ms, 0) + 1
+        if prefill_end is not None and req.prefilled_by == self.name:
+            # An elastic worker's own hand-off, taken back: its blocks are in this engine (live: its
+            # prefix cache, workers/decode.py `own_handoff`), nothing moves.
+            self.arriving += 1
+            self.loop.after(0.0, self._kv_arrived, req)
+        elif prefill_end is not None and not handle_expired((now - prefill_end) * 1000, self.sim.kv_lease_s):
+            self.arriving += 1
+            self.loop.after(self.perf.kv_transfer_s(req.prompt_tokens), self._kv_arrived, req)
+        else:
+            self.compute_here(req, q, None, now)
+
+    def compute_here(self, req: SimRequest, q: StageQueues, hand_to: str | None, now: float) -> None:
+        """Compute the prompt of `req` (claimed from `q`) in this engine's steps, beside its streams."""
+        self.preempt(req)  # live: a prompt computed here competes for the step budget
+        if self.cache is not None and req.chain is not None:
+            req.cached_tokens = self.cache.hit(req)  # the engine computes only the rest
+        self._order += 1
+        self.local.append(_Local(req, self._order, now, q, hand_to))
+        self.local_tokens += req.prompt_tokens
+        if not self.stepping:
+            self._align(now)
+            self.stepping = True
+            self.due = None  # the wake-up armed for the closed-form batch finds nothing due
+            self._start_mixed()
 
     def preempt(self, head: SimRequest, claimed: bool = True) -> int:
         """Abort the prompts that keep request `head` from its deadline (requeued); how many.
@@ -193,8 +218,9 @@ class DecodeWorker:
             self.local.remove(h)
             self.local_tokens -= h.req.prompt_tokens
             self.reserved -= h.req.prompt_tokens
-            self._release_tpot(h.req)
-            self.sim.decode_q.push_retry(h.req, (h.req, None))  # back on its retry lane, to be prefilled again
+            if h.hand_to is None:
+                self._release_tpot(h.req)
+            h.queue.push_retry(h.req, (h.req, None))  # back on its stage's retry lane, to be prefilled again
         return len(victims)
 
     def _kv_arrived(self, req: SimRequest) -> None:
@@ -394,17 +420,7 @@ class DecodeWorker:
             if h.done >= h.req.prompt_tokens:
                 self.local.remove(h)
                 self.local_tokens -= h.req.prompt_tokens
-                req = h.req
-                req.prefill_end = now
-                # Live (workers/decode.py, at the first token): meter the prompt, and take a
-                # colocated prompt off the backlog: it is no longer work ahead of anyone.
-                self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
-                if req.route == "colocated":
-                    self.sim.decode_q.release(req.tier, req.backlog_tokens)
-                if self.cache is not None and req.chain is not None:
-                    self.cache.store(req.chain, req.prompt_blocks)  # other prompts may use them from now
-                req.first_t = now  # the step that finishes a prompt samples its first token
-                self._join(req, produced=1)
+                self._prompt_done(h, now)
         if self.headroom > 0 and now - self.pace_at >= PACE_READ_S:
             self._read_pace()
         self.claim_while_room()
@@ -415,6 +431,25 @@ class DecodeWorker:
         if self.B and self.shaper.held:
             self.shaper.shape((), self.B, now)  # the decode-only steps that follow hold nothing back
         self._reschedule()
+
+    def _prompt_done(self, h: _Local, now: float) -> None:
+        """Its prompt computed: the request joins the batch with its first token, or goes to the peer an
+        elastic worker chose for its decode (its KV handed off there)."""
+        req = h.req
+        req.prefill_end = now
+        # Live (workers/decode.py, at the first token): meter the prompt, and take a colocated
+        # prompt (or one from the prefill stage) off the backlog: it is no longer work ahead of anyone.
+        self.meter.record(int(h.claimed_at * 1000), int(now * 1000), req.prompt_tokens)
+        if req.route == "colocated" or h.queue is not self.sim.decode_q:
+            h.queue.release(req.tier, req.backlog_tokens)
+        if self.cache is not None and req.chain is not None:
+            self.cache.store(req.chain, req.prompt_blocks)  # other prompts may use them from now
+        if h.hand_to is not None:
+            self.reserved -= req.prompt_tokens
+            self.sim.hand_off(req, h.hand_to, self.name)
+            return
+        req.first_t = now  # the step that finishes a prompt samples its first token
+        self._join(req, produced=1)
 
     # -- per-token times (small runs) ----------------------------------------------------------
 

@@ -34,20 +34,23 @@ VLLM_STEP_TOKENS = 16384
 PAPER_CHATBOT_GAIN = (2.0, 4.6)
 
 
-def _fleet_goodput(fleet: FleetSpec, perf_prefill, perf_decode, rates: list[float], requests: int,
-                   seed: int, sharegpt: dict | None) -> tuple[dict, list[tuple[float, float]]]:
-    # The paper disaggregates every prompt.
-    cfg = with_overrides(load_config(None), admission=False, max_running=256, min_remote_prefill_tokens=0,
-                         tpot_headroom=0.0)
+def fleet_goodput(fleet: FleetSpec, perf_prefill, perf_decode, rates: list[float], requests: int,
+                  seed: int, sharegpt: dict | None, min_remote_prefill_tokens: int = 0,
+                  duration_s: float | None = None, stop_below: float = 0.5) -> tuple[dict, list[tuple[float, float]]]:
+    """Goodput over a sweep of `rates`, stopping at the first rate attaining under `stop_below`: `requests`
+    per rate, or `duration_s` of arrivals. `min_remote_prefill_tokens` 0: the paper disaggregates every prompt."""
+    cfg = with_overrides(load_config(None), admission=False, max_running=256,
+                         min_remote_prefill_tokens=min_remote_prefill_tokens, tpot_headroom=0.0)
     spec = WorkloadSpec(mix=1.0, chat_tier="interactive", seed=seed)
     points = []
     for rate in rates:
-        reqs = synthetic(spec, rate, requests, lambda _c: (TTFT_MS, TPOT_MS), "sharegpt", sharegpt)
+        n = requests if duration_s is None else round(rate * duration_s)
+        reqs = synthetic(spec, rate, n, lambda _c: (TTFT_MS, TPOT_MS), "sharegpt", sharegpt)
         sim = Simulation(cfg, fleet, perf_prefill, perf_decode)
         duration = sim.run(reqs, drain_s=120.0)
         att = metrics.summarize(reqs, duration)["attainment"]
         points.append((rate, att))
-        if att < 0.5:  # far past the knee: higher rates only cost time
+        if att < stop_below:  # far past the knee: higher rates only cost time
             break
     return metrics.goodput(points), points
 
@@ -63,7 +66,7 @@ def check(requests: int = 600, seed: int = 0, sharegpt: dict | None = None) -> d
     out = {}
     for name, fleet, pp, dp in (("colocated", FleetSpec("colocated", 0, 1), colo, colo),
                                 ("disagg", FleetSpec("disagg", 1, 1), prefill, decode)):
-        g, points = _fleet_goodput(fleet, pp, dp, rates, requests, seed, sharegpt)
+        g, points = fleet_goodput(fleet, pp, dp, rates, requests, seed, sharegpt)
         gpus = fleet.devices(pp, dp)
         out[name] = {"fleet": fleet.label, "gpus": gpus, "goodput_rps": g["rps"], "bound": g["bound"],
                      "per_gpu_rps": (g["rps"] or 0.0) / gpus, "sweep": points}

@@ -47,11 +47,13 @@ from skyline.scheduler.admission import (
 )
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
 from skyline.scheduler.disagg import DisaggPolicy, route
+from skyline.scheduler.elastic import HANDOFF_HOLD_MS
 from skyline.scheduler.preemption import PreemptionPolicy
 from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, StageLoads, choose
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import Slo, resolve_slo
 from skyline.tools.simulate.decode_worker import DecodeWorker
+from skyline.tools.simulate.elastic_worker import BothStages, ElasticWorker
 from skyline.tools.simulate.events import EventLoop
 from skyline.tools.simulate.perf import PerfModel
 from skyline.tools.simulate.prefill_worker import PrefillWorker
@@ -67,16 +69,16 @@ RATES_PER_REFRESH = 8  # meters read per refresh: bounds the cost of a 500-worke
 
 @dataclass(frozen=True)
 class FleetSpec:
-    mode: str  # "disagg" or "colocated"
-    prefill: int  # prefill workers (0 when colocated)
-    decode: int
+    mode: str  # "disagg", "colocated" or "elastic" (every worker takes either phase: elastic_worker.py)
+    prefill: int  # prefill workers (0 when colocated or elastic)
+    decode: int  # decode workers (elastic: the elastic workers, each on the decode model)
 
     def devices(self, perf_prefill: PerfModel, perf_decode: PerfModel) -> int:
         return self.prefill * perf_prefill.devices + self.decode * perf_decode.devices
 
     @property
     def label(self) -> str:
-        return f"{self.prefill}P+{self.decode}D" if self.mode == "disagg" else f"{self.decode} colocated"
+        return f"{self.prefill}P+{self.decode}D" if self.mode == "disagg" else f"{self.decode} {self.mode}"
 
 
 class Simulation:
@@ -88,10 +90,13 @@ class Simulation:
         while the other engine is busy (measured by `skyline profile --handoff`). `prefix_cache`:
         engines cache the blocks of requests that carry a chain, and the gateway places those
         requests by them (`[gateway] prefix_affinity` and its options)."""
-        if fleet.mode not in ("disagg", "colocated"):
+        if fleet.mode not in ("disagg", "colocated", "elastic"):
             raise ValueError(f"unknown fleet mode {fleet.mode!r}")
         if fleet.decode < 1 or (fleet.mode == "disagg" and fleet.prefill < 1):
             raise ValueError(f"a {fleet.mode} fleet needs workers: got {fleet.label}")
+        self.elastic = fleet.mode == "elastic"
+        if self.elastic and (prefix_cache or neighbour_slowdown != 1.0):
+            raise ValueError("elastic fleets are simulated without prefix caches and shared hosts (not modelled yet)")
         self.cfg, self.fleet = cfg, fleet
         self.worker_cfg = cfg.worker
         self.claim_room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
@@ -123,15 +128,22 @@ class Simulation:
         self.admission = cfg.admission_policy() if cfg.gateway.admission else None
         self.calibration = TtftCalibration() if cfg.gateway.admission and cfg.gateway.ttft_calibration else None
         g = cfg.gateway
-        self.disagg = DisaggPolicy(fleet.mode, g.min_remote_prefill_tokens, g.max_prefill_backlog_tokens)
+        # An elastic fleet routes as a disaggregated one (long prompts to the prefill stage, short ones
+        # colocated); its workers are decode workers that also consume the prefill stage.
+        self.disagg = DisaggPolicy("disagg" if self.elastic else fleet.mode, g.min_remote_prefill_tokens,
+                                   g.max_prefill_backlog_tokens)
         self.prefill_workers = [PrefillWorker(self, i) for i in range(fleet.prefill if fleet.mode == "disagg" else 0)]
-        self.decode_workers = [DecodeWorker(self, i) for i in range(fleet.decode)]
+        self.decode_workers = [ElasticWorker(self, i) if self.elastic else DecodeWorker(self, i)
+                               for i in range(fleet.decode)]
+        self.has_prefill_stage = bool(self.prefill_workers) or self.elastic
         self.neighbour_slowdown = neighbour_slowdown
         if neighbour_slowdown != 1.0:
             for p, d in zip(self.prefill_workers, self.decode_workers):
                 p.neighbour, d.neighbour = d, p
         self.prefill_ready: deque = deque(self.prefill_workers)
         self.decode_ready: deque = deque(self.decode_workers)
+        if self.elastic:  # one blocked read over both stages' lanes: woken by work of either
+            self.prefill_ready = self.decode_ready
         for w in self.prefill_workers + self.decode_workers:
             w.in_ready = True
         # What the gateway's FleetView cached at its last refresh.
@@ -139,9 +151,10 @@ class Simulation:
         self.seen_prefill_backlog = 0
         self._refresh_next = {"prefill": 0, "decode": 0}
         # The heartbeats as the gateway's FleetView lists them (role, measured tokens/s), for pool_rate.
+        decode_role = "elastic" if self.elastic else "decode"
         self._view = SimpleNamespace(workers=[SimpleNamespace(role="prefill", tokens_per_s=0.0)
                                               for _ in self.prefill_workers]
-                                     + [SimpleNamespace(role="decode", tokens_per_s=0.0) for _ in self.decode_workers])
+                                     + [SimpleNamespace(role=decode_role, tokens_per_s=0.0) for _ in self.decode_workers])
         self._preempt_armed = False
         self.ranks_seen: set[int] = set()  # tiers admitted so far (one alone: no preemption possible)
         self._slo_cache: dict[tuple[str, float, float], Slo] = {}
@@ -163,6 +176,14 @@ class Simulation:
                                    for w in pool)
                        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
         self._all_beats = self._beats["prefill"] + self._beats["decode"]
+        # What an elastic worker reads of its peers to place a decode (scheduler.elastic.PeerLoad), as of
+        # their last heartbeat; and where a full worker looks for a head to preempt for.
+        self.peers = [SimpleNamespace(worker_id=w.name, role="elastic", running=0, max_running=cfg.worker.max_running,
+                                      kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark, running_tokens=0)
+                      for w in self.decode_workers] if self.elastic else []
+        self._preempt_pools: tuple = (((BothStages(self.prefill_q, self.decode_q), self.decode_workers),)
+                                      if self.elastic else
+                                      ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)))
         self._loads: dict[str, StageLoads] = {}  # the beats as placement reads them, rebuilt at each refresh
         self.cache_view = HolderIndex()  # which engines hold each block (the live cache view)
         if prefix_cache:
@@ -193,7 +214,7 @@ class Simulation:
         match = self._match(req) if req.chain is not None and self.affinity is not None else None  # off: blind
         left = match.best_uncached("decode") if match is not None else n  # the route counts what is left
         faster = None
-        if self.admission is not None and self.prefill_workers:  # as the live gateway: with the backlog read
+        if self.admission is not None and self.has_prefill_stage:  # as the live gateway: with the backlog read
             def faster() -> bool:
                 return prefill_is_faster(self.admission, self.tiers, slo.tier,  # type: ignore[arg-type]
                                          match.best_uncached("prefill") if match is not None else n, left,
@@ -238,7 +259,7 @@ class Simulation:
         self.ranks_seen.add(rank)
         q.backlog[tier] += n  # q.reserve and q.push, inlined (once per request)
         if req.placed_for is not None:
-            self._push_placed(q, ready, req, None)
+            self._push_placed(q, ready, req, None, req.placed_for)
         else:
             q.queues[tier].append((req, None))
             q.size += 1
@@ -259,11 +280,11 @@ class Simulation:
         return CacheMatch(req.prompt_tokens, self.block_size, self.cache_view.matched(chain),
                           self._all_beats, self._loads)
 
-    def _push_placed(self, q, ready, req: SimRequest, prefill_end) -> None:
+    def _push_placed(self, q, ready, req: SimRequest, prefill_end, worker: str) -> None:
         """Into the affinity lane of the worker the request was placed for: that worker claims it if it is
-        waiting for work; any other once the bound passes (the fleet wakes the waiting ones then)."""
-        q.push_placed(req, (req, prefill_end), req.placed_for)
-        w = self.workers[req.placed_for]  # type: ignore[index]
+        waiting for work; any other once the bound (`req.until_ms`) passes (the fleet wakes the waiting ones then)."""
+        q.push_placed(req, (req, prefill_end), worker)
+        w = self.workers[worker]
         if w.in_ready:
             ready.remove(w)
             w.in_ready = False
@@ -291,6 +312,13 @@ class Simulation:
             w = ready.popleft()
             w.in_ready = False
             w.claim_while_room(1)
+
+    def hand_off(self, req: SimRequest, peer: str, by: str) -> None:
+        """An elastic worker computed the prompt and hands its decode to `peer`: on the peer's affinity lane
+        of the decode stage, any worker's after `HANDOFF_HOLD_MS` (workers/prefill.py)."""
+        req.prefilled_by = by
+        req.until_ms = int(self.loop.now * 1000) + HANDOFF_HOLD_MS
+        self._push_placed(self.decode_q, self.decode_ready, req, self.loop.now, peer)
 
     def on_done(self, req: SimRequest) -> None:
         req.finish(self.overhead_s)
@@ -338,6 +366,10 @@ class Simulation:
                 beat.running = w.B + w.arriving + len(w.local) + len(w.joining)
                 beat.kv_usage = (w.C + w.reserved) / w.kv_capacity
             self._loads = {role: StageLoads(beats, role) for role, beats in self._beats.items()}
+        for w, peer in zip(self.decode_workers, self.peers):  # elastic: each heartbeat as `_beat` fills it
+            peer.running = w.B + w.arriving + len(w.local) + len(w.joining)
+            peer.kv_usage = (w.C + w.reserved) / w.kv_capacity
+            peer.running_tokens = w.local_tokens
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
@@ -350,7 +382,7 @@ class Simulation:
     def _preempt_tick(self, _arg=None) -> None:
         """Every full worker holding prompts checks its stage's EDF head (live: at 20 Hz while full)."""
         self._preempt_armed = False
-        for q, pool in ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)):
+        for q, pool in self._preempt_pools:
             entry = q.head()
             if entry is None:
                 continue

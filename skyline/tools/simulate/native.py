@@ -32,12 +32,13 @@ from pathlib import Path
 # PerfModel, which a compiled class forbids), and what runs once per run (workload, sessions, summary).
 MODULES = (
     "skyline.tools.simulate.events", "skyline.tools.simulate.fleet", "skyline.tools.simulate.decode_worker",
-    "skyline.tools.simulate.prefill_worker", "skyline.tools.simulate.queues", "skyline.tools.simulate.request",
+    "skyline.tools.simulate.prefill_worker", "skyline.tools.simulate.elastic_worker",
+    "skyline.tools.simulate.queues", "skyline.tools.simulate.request",
     "skyline.tools.simulate.prefix_cache", "skyline.tools.simulate.roofline", "skyline.tools.simulate.preempt",
     "skyline.scheduler.admission", "skyline.scheduler.claiming", "skyline.scheduler.decode_room",
     "skyline.scheduler.edf", "skyline.scheduler.step_budget", "skyline.scheduler.throughput",
     "skyline.scheduler.tiers", "skyline.scheduler.prefix", "skyline.scheduler.disagg",
-    "skyline.scheduler.preemption", "skyline.tools.bench.verdict",
+    "skyline.scheduler.preemption", "skyline.scheduler.elastic", "skyline.tools.bench.verdict",
 )
 # What mypyc reads besides them, for their types (their imports); copied, not compiled.
 CONTEXT_PACKAGES = ("skyline", "skyline.core", "skyline.scheduler", "skyline.tools", "skyline.tools.bench",

@@ -48,6 +48,9 @@ def add_simulate_parser(sub) -> None:
     fleet.add_argument("--decode", type=int, default=1, help="decode workers")
     fleet.add_argument("--colocated-workers", type=int,
                        help="workers of the colocated fleet (default: the same devices as the disagg fleet)")
+    fleet.add_argument("--elastic-workers", type=int, default=0, metavar="N",
+                       help="also simulate a fleet of N elastic workers (sim-elastic: every engine takes either "
+                            "phase, as `skyline worker elastic`; the colocated engine model; docs/simulator.md)")
     fleet.add_argument("--shared-host", nargs="?", const="profile", metavar="FACTOR",
                        help="disagg: prefill worker i and decode worker i share one host's cores (as `skyline up` "
                             "on a 2-core machine); a step of either costs FACTOR times more while the other is busy "

@@ -100,9 +100,9 @@ class StageQueues:
                     return True
         return False
 
-    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
-        """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
-        the shared streams, others' lanes past their bound), or None."""
+    def _choose(self, me: str, now_ms: int, max_rank: int | None) -> tuple | None:
+        """(lane, holder or None, deadline ms) of the EDF head among the entries worker `me` may claim
+        (its own lanes, the shared streams, others' lanes past their bound), or None."""
         tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
         heads: dict[str, int] = {}
         chosen: dict[str, tuple] = {}
@@ -122,10 +122,26 @@ class StageQueues:
                     if best is None or not retry_first(due, d):  # earlier than the head so far; a tie keeps it
                         best, due, holder = lane, d, worker
             if best is not None:
-                heads[t], chosen[t] = due, (best, holder)
+                heads[t], chosen[t] = due, (best, holder, due)
         if not heads:
             return None
-        lane, holder = chosen[pick_tier(heads, self.tier_order)]  # type: ignore[index]
+        return chosen[pick_tier(heads, self.tier_order)]  # type: ignore[index]
+
+    def due_for(self, me: str, now_ms: int, max_rank: int | None = None) -> int | None:
+        """The deadline (ms) of the entry `claim_as` would give worker `me`, None when none: what an
+        elastic worker compares across its two stages (scheduler.elastic.stage_due_first)."""
+        if not self.size:
+            return None
+        chosen = self._choose(me, now_ms, max_rank)
+        return None if chosen is None else chosen[2]
+
+    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
+        """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
+        the shared streams, others' lanes past their bound), or None."""
+        chosen = self._choose(me, now_ms, max_rank)
+        if chosen is None:
+            return None
+        lane, holder, _due = chosen
         item = lane.popleft()
         self.size -= 1
         if holder is not None:

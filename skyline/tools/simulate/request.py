@@ -28,6 +28,8 @@ class SimRequest:
         "backlog_tokens", "placed_for", "until_ms",
         # Skyline's view: tier after SLO resolution (and demotion), deadline, route
         "tier", "rank", "priority", "deadline", "route", "preemptions", "decision", "model_ttft_ms", "tpot_ms",
+        # the worker whose engine computed its prompt, when it handed the KV on ("" otherwise)
+        "prefilled_by",
         # timeline (virtual seconds)
         "prefill_start", "prefill_end", "first_t", "done_t", "itl_s",
         # verdict, named as in BenchRecord
@@ -58,6 +60,7 @@ class SimRequest:
         self.next_turn: SimRequest | None = None
         self.think_s = 0.0
         self.backlog_tokens = prompt_tokens
+        self.prefilled_by = ""
         self.placed_for: str | None = None
         self.until_ms = 0
 

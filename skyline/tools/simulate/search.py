@@ -116,10 +116,10 @@ def main(args, cfg, systems: list[SimSystem], spec, targets, preset: dict, drain
     mean_output = sum(r.max_tokens for r in sample) / len(sample)
     answers, tried = {}, []
     for system in systems:
-        if system.fleet.mode == "colocated":
+        if system.fleet.mode in ("colocated", "elastic"):  # one pool: only its size to find
             n_workers = search_colocated(cfg, system, reqs_of, drain, args.max_devices, tried)
             answers[system.name] = None if n_workers is None else {
-                "fleet": f"{n_workers} colocated", "devices": n_workers * system.perf_decode.devices}
+                "fleet": f"{n_workers} {system.fleet.mode}", "devices": n_workers * system.perf_decode.devices}
         else:
             bounds = lower_bounds(cfg, system, rate, mean_prompt, mean_output)
             split = search_disagg(cfg, system, reqs_of, drain, args.max_devices, bounds, tried)

@@ -105,6 +105,8 @@ def systems(args: argparse.Namespace, prefill: PerfModel, decode: PerfModel, col
         out.append(SimSystem("sim-colocated", FleetSpec("colocated", 0, n), colocated, colocated))
     if args.mode in ("disagg", "both"):
         out.append(disagg)
+    if getattr(args, "elastic_workers", None):  # beside the fixed pools: every engine takes either phase
+        out.append(SimSystem("sim-elastic", FleetSpec("elastic", 0, args.elastic_workers), colocated, colocated))
     choice = getattr(args, "affinity", "on")
     if choice == "off":
         out = [replace(s, affinity=False) for s in out]

@@ -1,0 +1,91 @@
+"""A simulated elastic worker: one engine that takes either phase, as `skyline worker elastic` does.
+
+It is a decode worker (continuous batching, prompts computed in mixed steps beside its streams)
+that also consumes the prefill stage, claiming from the two stages in one earliest-deadline-first
+order (`scheduler.elastic.stage_due_first`, the rule of the live `skyline/core/stage_queues.py`).
+For a prompt it claims from the prefill stage it asks `scheduler.elastic.decoder_for` where the
+decode runs, as `workers/runtime.py` `_place_decode` does: here (the prompt is served whole, no KV
+moves) or on a peer, whose affinity lane of the decode stage gets the hand-off for
+`HANDOFF_HOLD_MS` (the fleet's `hand_off`). It reads its peers as their last heartbeat said
+(`Simulation.peers`, refreshed every simulated second) and the fleet's prefill backlog as of then.
+Short prompts come on the decode stage (the gateway's colocated route, `scheduler/disagg.py`) and
+are served whole by whoever claims them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from skyline.scheduler.elastic import decoder_for, stage_due_first
+from skyline.tools.simulate.decode_worker import DecodeWorker
+from skyline.tools.simulate.request import SimRequest
+
+if TYPE_CHECKING:
+    from skyline.tools.simulate.fleet import Simulation
+    from skyline.tools.simulate.queues import StageQueues
+
+
+class ElasticWorker(DecodeWorker):
+    def __init__(self, sim: Simulation, wid: int):
+        super().__init__(sim, wid)
+        self.name = f"elastic-{wid}"
+
+    def work_waiting(self) -> bool:
+        sim = self.sim
+        return sim.decode_q.size > 0 or sim.prefill_q.size > 0
+
+    def queue_to_claim(self) -> StageQueues | None:
+        """The stage whose head it may claim is due first (the decode stage's among equals); None when
+        it may claim nothing: only work placed for others within its hold, or its shield holds."""
+        sim = self.sim
+        now_ms = int(self.loop.now * 1000)
+        gate = self.claims
+        max_rank = gate.max_rank(now_ms) if gate.shield is not None else None
+        while True:
+            dues: dict[str, int] = {}
+            for stage, q in (("decode", sim.decode_q), ("prefill", sim.prefill_q)):
+                due = q.due_for(self.name, now_ms, max_rank) if q.size else None
+                if due is not None:
+                    dues[stage] = due
+            first = stage_due_first(dues)
+            if first is not None:
+                return sim.decode_q if first == "decode" else sim.prefill_q
+            # Nothing of the shielded tiers: the shield lifts when none of them computes here.
+            if max_rank is None or not gate.found_nothing(h.req.rank for h in self.local):
+                return None
+            max_rank = None
+
+    def streams(self) -> int:
+        """Requests decoded here or to be (live: held with serve_as "decode"), what `decoder_for` weighs."""
+        return self.B + self.arriving + len(self.joining) + sum(1 for h in self.local if h.hand_to is None)
+
+    def take(self, item: tuple, q: StageQueues, now: float) -> None:
+        sim = self.sim
+        if q is not sim.prefill_q:
+            super().take(item, q, now)  # decode stage: a hand-off to pull, or a short prompt served whole
+            return
+        req: SimRequest = item[0]
+        # `_place_decode`: prompts are queued for the fleet when its prefill backlog (as of the heartbeat)
+        # holds more than this worker's own prompts of that stage.
+        mine = req.backlog_tokens + sum(h.req.backlog_tokens for h in self.local if h.queue is q)
+        peer, why = decoder_for(self.name, self.streams(), sim.peers, sim.seen_prefill_backlog > mine,
+                                sim.worker_cfg.prefill_token_budget)
+        sim.counters[why] = sim.counters.get(why, 0) + 1
+        if peer is None:
+            super().take(item, q, now)  # served whole: computed and decoded here
+            return
+        self.reserved += req.prompt_tokens  # its blocks stay in this engine until the peer pulls them
+        self.compute_here(req, q, peer, now)
+
+
+class BothStages:
+    """The head due first over both stages' queues, which a full elastic worker's preemption check
+    reads (live: `StageQueues.peek_heads`)."""
+
+    def __init__(self, prefill_q: StageQueues, decode_q: StageQueues):
+        self.prefill_q, self.decode_q = prefill_q, decode_q
+
+    def head(self) -> tuple | None:
+        heads = {"decode": self.decode_q.head(), "prefill": self.prefill_q.head()}
+        stage = stage_due_first({s: int(e[0].deadline * 1000) for s, e in heads.items() if e is not None})
+        return None if stage is None else heads[stage]
