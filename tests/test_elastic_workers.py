@@ -205,3 +205,22 @@ async def test_four_elastic_workers_under_mixed_load_leave_no_engine_idle_while_
     finally:
         stop.set()
         await stop_fleet(client, rts, tasks)
+
+
+def test_hand_offs_spread_over_peers_when_every_worker_reads_the_same_heartbeats():
+    """Two random choices per request: with many equally loaded peers, hand-offs from one view land on
+    many of them, not on the first of the least loaded; with two peers, the better one as before."""
+    from collections import Counter
+
+    from skyline.scheduler.elastic import decoder_for
+
+    view = [_peer(f"p{i}", 2 if i % 4 else 1) for i in range(64)]  # 16 peers decode 1 stream, 48 decode 2
+    picks = Counter(decoder_for("me", 6, view, False, 0, spread=f"req-{n}")[0] for n in range(1000))
+    assert len(picks) > 40 and max(picks.values()) < 60, picks.most_common(3)
+    lighter = sum(c for wid, c in picks.items() if int(wid[1:]) % 4 == 0)
+    assert lighter > 1000 * 16 / 64, "the lighter peers are not favoured"  # above their share of the view
+    assert decoder_for("me", 6, view, False, 0, spread="req-1") == decoder_for("me", 6, view, False, 0, spread="req-1")
+    # Two peers: always the less loaded one, whatever the request.
+    pair = [_peer("b", 3), _peer("c", 1)]
+    assert {decoder_for("me", 5, pair, False, 0, spread=f"r{n}")[0] for n in range(50)} == {"c"}
+    assert decoder_for("me", 5, view, False, 0)[0] == "p0"  # no key: the best of all, the first of equals
