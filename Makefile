@@ -73,7 +73,7 @@ up-sim: $(STAMP)
 	$(BIN)/skyline up --engine sim
 
 test: model netns-tools chromium sim-native
-	$(BIN)/pytest -q -rs
+	$(BIN)/pytest -q -rs --durations=25
 
 test-fast: $(STAMP) chromium sim-native
 	$(BIN)/pytest -q -rs -m "not vllm"
