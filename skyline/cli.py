@@ -145,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "times), stop it. Writes <out>/<system>.json (vLLM's result), results.json and report.md: "
                     "completed/failed, TTFT p50/p99, TPOT, output tok/s, each system against the first, and the "
                     "goals: serve every request vLLM served, TTFT p50 and p99 no worse, output tok/s >= 0.95x.")
-    vc.add_argument("--systems", default="vllm-fcfs,skyline-disagg",
+    vc.add_argument("--systems", default="vllm-fcfs,vllm-rr,skyline-elastic",
                     help="comma-separated, run in this order; the first is the baseline (default: plain vLLM on "
-                         "every core, then the `make up` fleet: gateway + 1 prefill + 1 decode worker, one core each)")
+                         "every core, round robin over one one-core vLLM server per core, then the `make up` "
+                         "fleet: gateway + one elastic worker per core)")
     vc.add_argument("--input-len", type=int, default=128, help="random prompt tokens (default 128)")
     vc.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
     vc.add_argument("--num-prompts", type=int, default=24, help="requests per system (default 24)")

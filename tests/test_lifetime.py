@@ -142,25 +142,34 @@ def _engine_processes_of(worker_pid: int) -> list[int]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("kill_after_s", [12.0, 22.0])
-def test_no_vllm_engine_outlives_a_worker_killed_while_it_starts(tmp_path, redis_url, key_prefix, kill_after_s):
-    """A real worker on vLLM killed with SIGKILL at a moment of its engine's start-up (~37 s here):
-    within a few seconds no process of its engine remains."""
+@pytest.mark.parametrize("kill_after_spawn_s", [0.5, 10.0])
+def test_no_vllm_engine_outlives_a_worker_killed_while_it_starts(tmp_path, redis_url, key_prefix, kill_after_spawn_s):
+    """A real worker on vLLM killed with SIGKILL at a moment of its engine's start-up, counted from
+    the engine's first process (0.5 s: the engine core still imports; 10 s: it loads the model
+    and spawns its executor; ~30 s in all here): within a few seconds no process of its engine
+    remains. Counting from the spawn, not from the worker's start, keeps the moment the same on a
+    loaded machine."""
     import time
 
     log = open(tmp_path / "worker.log", "wb")
     worker = subprocess.Popen([sys.executable, "-m", "skyline.cli", "worker", "decode", "--engine", "vllm",
                                "--redis-url", redis_url, "--key-prefix", key_prefix, "--metrics-port", "0"],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + kill_after_s
     seen: set[int] = set()
-    while time.monotonic() < deadline:
+    try:
+        spawn_deadline = time.monotonic() + 120
+        while not seen and time.monotonic() < spawn_deadline and worker.poll() is None:
+            seen.update(_engine_processes_of(worker.pid))
+            time.sleep(0.1)
+        assert seen, f"the worker spawned no engine process in 120 s (its log: {tmp_path / 'worker.log'})"
+        deadline = time.monotonic() + kill_after_spawn_s
+        while time.monotonic() < deadline:
+            seen.update(_engine_processes_of(worker.pid))
+            time.sleep(0.1)
         seen.update(_engine_processes_of(worker.pid))
-        time.sleep(0.2)
-    seen.update(_engine_processes_of(worker.pid))
-    _kill(worker)
+    finally:
+        _kill(worker)
     left = wait_gone(sorted(seen | set(_engine_processes_of(worker.pid))), timeout_s=8)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert seen, "the worker spawned no engine process in time: the test killed it too early to say anything"
     assert not left, f"engine processes {left} outlived their worker (its log: {tmp_path / 'worker.log'})"

@@ -40,8 +40,8 @@ from skyline.core.fleet import WorkerInfo, deregister, heartbeat, list_workers
 from skyline.core.keys import Keys
 from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
-from skyline.core.streams import TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
-from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield
+from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
+from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield, claim_defer_s
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.elastic import decoder_for
@@ -205,6 +205,15 @@ class WorkerRuntime:
         in deadline order, where any worker that frees up can take it (scheduler/claiming.py)."""
         return self.rules.has_room(self.room, self.held, lambda: self.engine.stats().kv_usage, self._pace_ok)
 
+    def _claim_defer(self, head: Head) -> float:
+        """Seconds to wait before claiming `head`, so a worker computing less takes it first
+        (scheduler/claiming.py `claim_defer_s`)."""
+        computing = self.held.computing_tokens()
+        if not computing or not head.prefill_tokens:
+            return 0.0  # the rate is not asked for when there is nothing to decide
+        return claim_defer_s(head.prefill_tokens, self.tier_rank.get(head.tier, 99), computing,
+                             self.computing_ranks(), self.tokens_per_s(), self.cfg.worker.claim_defer_max_s)
+
     def _pace_ok(self) -> bool:
         """The pace rule's verdict for the streams this worker decodes (scheduler/decode_room.py)."""
         headroom = self.cfg.worker.tpot_headroom
@@ -349,7 +358,7 @@ class WorkerRuntime:
                 continue
             tiers = self._claimable_tiers()
             try:
-                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take)
+                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take, defer=self._claim_defer)
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)

@@ -16,6 +16,7 @@ from typing import Any
 
 from skyline.core.config_rules import ConfigError, check
 from skyline.scheduler.admission import AdmissionPolicy
+from skyline.scheduler.claiming import CLAIM_DEFER_MAX_S
 from skyline.scheduler.prefix import AffinityPolicy
 from skyline.scheduler.step_budget import background_tokens
 from skyline.scheduler.tiers import DEFAULT_TIERS, Tier
@@ -138,6 +139,10 @@ class WorkerConfig:
     # prefill: prompt tokens handed to the engine at once. Small on purpose: the
     # backlog waits in Redis in deadline order instead of inside one engine.
     prefill_token_budget: int = 2048
+    # A worker whose engine computes prompts waits up to this long (about as long as its engine needs
+    # for them) before claiming another prompt, so an engine computing nothing, or less, claims it
+    # first (scheduler/claiming.py `claim_defer_s`); 0 = claim at once, the first to answer wins.
+    claim_defer_max_s: float = CLAIM_DEFER_MAX_S
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction
     # of the tightest TPOT target among them (scheduler/decode_room.py); 0 = no such limit

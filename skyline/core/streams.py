@@ -6,6 +6,7 @@ module only observes the stream heads and moves entries.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class Head:
     prompt_tokens: int
     stream: str = ""
     request_id: str = ""
+    prefill_tokens: int = 0  # prompt tokens the claimer computes (0: a KV hand-off)
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Claimed:
 
 # (stream, group, consumer, request id of the head) -> (entry id, fields, what else it claimed) or None
 Take = Callable[[str, str, str, str], Awaitable[tuple[str, dict, Any] | None]]
+# Seconds a worker waits before claiming a head it found (TierQueues.claim).
+Defer = Callable[["Head"], float]
 
 LANES_REFRESH_S = 1.0  # how often a consumer re-reads the affinity lanes and the live workers
 
@@ -316,7 +320,9 @@ class TierQueues:
                 if not may_claim(self.consumer, holder, now, until, holder in self.live):
                     self.deferred_until_ms = min(self.deferred_until_ms or until, until)
                     continue
-            head = Head(tier, int(fields[b"deadline_ms"]), int(fields[b"prompt_tokens"]), key, _s(fields.get(b"id", b"")))
+            prompt_tokens = int(fields[b"prompt_tokens"])
+            head = Head(tier, int(fields[b"deadline_ms"]), prompt_tokens, key, _s(fields.get(b"id", b"")),
+                        int(fields.get(b"prefill_tokens", prompt_tokens)))
             seen = heads.get(tier)
             if seen is None or self._due_first(head, seen):
                 heads[tier] = head
@@ -333,13 +339,19 @@ class TierQueues:
         return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
-                    take: Take | None = None) -> Claimed | None:
+                    take: Take | None = None, defer: Defer | None = None) -> Claimed | None:
         """Claim the next entry in EDF order (among `tiers` only, if given), or None if
         nothing arrived in `block_ms` (or only entries of other tiers are waiting).
         `take`: claims the entry with what the stage keeps beside it, in one round trip
-        (a decode worker's run: workers/runs.py `Runs.take`); else a plain XREADGROUP."""
+        (a decode worker's run: workers/runs.py `Runs.take`); else a plain XREADGROUP.
+        `defer`: seconds to wait before claiming a head, for a freer worker to take it first
+        (`scheduler.claiming.claim_defer_s`); the heads are read again after the wait."""
         heads = await self.peek_heads(block_ms)
         tier = self.pick(heads, tiers)
+        if tier is not None and defer is not None and (wait := defer(heads[tier])) > 0:
+            await asyncio.sleep(wait)
+            heads = await self.peek_heads(0)
+            tier = self.pick(heads, tiers)
         if tier is None:
             return None
         return await self.claim_head(heads[tier], take)

