@@ -388,7 +388,8 @@ class WorkerRuntime:
         mine = sum(h.prompt_tokens for h in self.held if h.stage == "prefill") + held.claimed.prefill_tokens
         streams = sum(1 for h in self.held if h.serve_as == "decode")  # decoded here, or to be
         peer, why = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine,
-                                self.cfg.worker.prefill_token_budget, spread=held.request_id)
+                                self.cfg.worker.prefill_token_budget, spread=held.request_id,
+                                step_tokens=self.cfg.engine.max_num_batched_tokens)
         held.serve_as, held.decode_on = ("prefill", peer) if peer else ("decode", None)
         held.decode_placed = why
         self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, why=why, streams_here=streams)
