@@ -81,11 +81,16 @@ def has_room(peer: PeerLoad, prompt_budget: int, step_tokens: int = 0) -> bool:
 
 
 def decoder_for(me: str, my_streams: int, peers: Iterable[PeerLoad], prompts_queued: bool,
-                prompt_budget: int = 0, spread: str | None = None, step_tokens: int = 0) -> tuple[str | None, str]:
+                prompt_budget: int = 0, spread: str | None = None, step_tokens: int = 0,
+                prompt_tokens: int = 0, min_move_tokens: int = 0) -> tuple[str | None, str]:
     """Where an elastic worker `me`, decoding `my_streams` requests, decodes a prompt it computes, and
     why: (None, why) = itself, else (the peer that should: fewest streams, then fewest prompt tokens
     computing, the first of equals, why). `prompt_budget`: the claim rule's prompt-token budget;
-    `step_tokens`: the engines' step budget (`has_room`).
+    `step_tokens`: the engines' step budget (`has_room`). A prompt of fewer than `min_move_tokens`
+    tokens (`[gateway] min_remote_prefill_tokens`: its KV move costs more than it saves) is decoded
+    where it was computed: the peer starts a pulled request only some steps after it claims it (pull,
+    then a step of its own; measured on the one-core elastic fleet: ~1 s for a 158-token chat, the
+    slowest first tokens of the run), while this engine decodes it at its next step.
 
     `spread` (the request's id): the peer is the better of two drawn, by that key, from those with
     room, not the best of all. Every worker reads its peers from heartbeats up to a beat old, so the
@@ -93,6 +98,8 @@ def decoder_for(me: str, my_streams: int, peers: Iterable[PeerLoad], prompts_que
     those few were sent more hand-offs than they could claim (simulated, 512 engines: 4,122 of 5,120
     hand-offs went to 21 peers). Two random choices spread them while still favouring the less loaded;
     a fleet of two or three engines has at most two peers to choose from and is unchanged."""
+    if prompt_tokens and prompt_tokens < min_move_tokens:
+        return None, "too_short_to_move"
     room = [p for p in peers if p.worker_id != me and serves(p.role, "decode") and has_room(p, prompt_budget, step_tokens)]
     if not room:
         return None, "no_peer_with_room"

@@ -92,6 +92,9 @@ def test_the_decode_goes_to_a_peer_only_when_it_decodes_fewer_streams_or_prompts
     # A peer whose own prompts fill its next step would start the hand-off only after them.
     assert decoder_for(me, 5, [_peer("b", 1, computing=256)], True, 2048, step_tokens=256) == (None, "no_peer_with_room")
     assert decoder_for(me, 5, [_peer("b", 1, computing=128)], True, 2048, step_tokens=256) == ("b", "peer_decodes_fewer")
+    # A prompt too short to be worth its KV move stays where it was computed.
+    assert decoder_for(me, 5, [_peer("b", 1)], True, prompt_tokens=158, min_move_tokens=256) == (None, "too_short_to_move")
+    assert decoder_for(me, 5, [_peer("b", 1)], True, prompt_tokens=256, min_move_tokens=256) == ("b", "peer_decodes_fewer")
     assert [s for s in ("prefill", "decode") if serves("elastic", s)] == ["prefill", "decode"]
     assert not serves("prefill", "decode") and not serves("decode", "prefill")
 

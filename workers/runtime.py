@@ -389,7 +389,9 @@ class WorkerRuntime:
         streams = sum(1 for h in self.held if h.serve_as == "decode")  # decoded here, or to be
         peer, why = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine,
                                 self.cfg.worker.prefill_token_budget, spread=held.request_id,
-                                step_tokens=self.cfg.engine.max_num_batched_tokens)
+                                step_tokens=self.cfg.engine.max_num_batched_tokens,
+                                prompt_tokens=held.prompt_tokens,
+                                min_move_tokens=self.cfg.gateway.min_remote_prefill_tokens)
         held.serve_as, held.decode_on = ("prefill", peer) if peer else ("decode", None)
         held.decode_placed = why
         self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, why=why, streams_here=streams)

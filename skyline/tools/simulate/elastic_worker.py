@@ -70,7 +70,8 @@ class ElasticWorker(DecodeWorker):
         mine = req.backlog_tokens + sum(h.req.backlog_tokens for h in self.local if h.queue is q)
         peer, why = decoder_for(self.name, self.streams(), sim.peers, sim.seen_prefill_backlog > mine,
                                 sim.worker_cfg.prefill_token_budget, spread=str(req.index),
-                                step_tokens=self.perf.max_step_tokens)
+                                step_tokens=self.perf.max_step_tokens, prompt_tokens=req.prompt_tokens,
+                                min_move_tokens=sim.disagg.min_remote_prefill_tokens)
         sim.counters[why] = sim.counters.get(why, 0) + 1
         if peer is None:
             super().take(item, q, now)  # served whole: computed and decoded here
