@@ -21,6 +21,7 @@ large for the targets) shows in a 10 s mean; a burst of chunks does not.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -74,3 +75,12 @@ def tpot_room(seconds_per_token: float | None, tightest_tpot_ms: float | None, h
     engine's speed, not company it could refuse, and refusing would only serialise the requests behind
     it. Otherwise `pace_allows`."""
     return held < 2 or pace_allows(seconds_per_token, tightest_tpot_ms, headroom)
+
+
+def tightest_target_ms(held: Iterable[tuple[int, bool]]) -> int | None:
+    """The TPOT target the pace rule holds a worker's streams to, of (tpot_ms, best_effort) per request it
+    holds: the tightest of those that asked for an SLO; None when none did. A request that asked for none
+    carries its tier's TPOT only as a default: holding the engine's pace to it left prefill capacity idle
+    while prompts waited (vllm bench serve 1024/64 on the elastic fleet: streams at ~450 ms a token, the
+    standard tier's 500 ms x 0.9, and 1-2 s between prompts on each engine), where `vllm serve` takes them."""
+    return min((tpot for tpot, best_effort in held if not best_effort), default=None)

@@ -78,3 +78,12 @@ def test_no_tier_drops_a_request_that_asked_for_no_slo_for_lateness():
         held = HeldRequest.of(Claimed("s", "0-1", "standard", messages.DecodeWork(replace(late, best_effort=best_effort))),
                               Phase.COMPUTING)
         assert rt._too_late(held) is dropped
+
+
+def test_the_pace_rule_holds_streams_only_to_targets_someone_asked_for():
+    from skyline.scheduler.decode_room import pace_allows, tightest_target_ms
+
+    assert tightest_target_ms([(500, True), (500, True)]) is None  # best effort only: no target
+    assert pace_allows(0.6, tightest_target_ms([(500, True), (500, True)]), 0.9)  # slow streams, still claims
+    assert tightest_target_ms([(500, True), (250, False)]) == 250
+    assert not pace_allows(0.6, tightest_target_ms([(100, True), (500, False)]), 0.9)  # 600 ms > 0.9 x 500

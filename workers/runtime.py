@@ -42,7 +42,7 @@ from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
 from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield, claim_defer_s
-from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
+from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, tightest_target_ms
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.elastic import decoder_for
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
@@ -219,7 +219,7 @@ class WorkerRuntime:
         headroom = self.cfg.worker.tpot_headroom
         if headroom <= 0:
             return True  # the pace rule is off
-        tightest = min((h.request.tpot_ms for h in self.held), default=None)
+        tightest = tightest_target_ms((h.request.tpot_ms, h.request.best_effort) for h in self.held)
         return pace_allows(self.pace.seconds_per_token(time.monotonic()), tightest, headroom)
 
     def tokens_per_s(self) -> float:
