@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--min-remote-prefill-tokens", type=int, default=256,
                     help="conditional disaggregation: shorter prompts are prefilled on the decode worker (default 256, the gateway default)")
     bu.add_argument("--trials", type=int, default=3)
+    bu.add_argument("--fleet", choices=("disagg", "elastic"), default="disagg",
+                    help="disagg: 1 prefill + 1 decode worker (default); elastic: two elastic workers, the `make up` fleet")
     bu.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     bu.add_argument("--out", help="also write the JSON result to this file")
     vc = bsub.add_parser(

@@ -6,7 +6,9 @@ waits for the prompts ahead of it (21.5 s FCFS, ~9 s with priority scheduling,
 measured on this machine). This runs it on a Skyline fleet of real vLLM
 engines (prefill on the first core, decode on the last) and prints the chat's
 TTFT and the RAG prompts' TTFTs per trial. Each trial's RAG prompts are unique
-(no prefix-cache hits between them or across trials).
+(no prefix-cache hits between them or across trials). `--fleet elastic` runs the
+default fleet of `make up` instead: two elastic workers, one per core
+(scheduler/elastic.py); `--fleet disagg` (the default) the fixed pools.
 
 `--min-remote-prefill-tokens N` is conditional disaggregation: prompts shorter
 than N tokens are prefilled on the decode worker (no KV transfer, no wait for
@@ -61,16 +63,21 @@ def trial(client: openai.OpenAI, tag: str, n_rag: int = 6, delay_s: float = 1.0)
     return {"chat_ttft_s": round(chat, 3), "rag_ttft_s": sorted(round(x, 2) for x in rag_ttfts)}
 
 
-def run(min_remote_prefill_tokens: int, trials: int, workdir: Path) -> list[dict]:
+def run(min_remote_prefill_tokens: int, trials: int, workdir: Path, layout: str = "disagg") -> list[dict]:
     cfg = f"[gateway]\nmin_remote_prefill_tokens = {min_remote_prefill_tokens}\n"
     fleet = SimFleet(workdir, cfg, engine="vllm", extra=("--model", "default"))
     cores = sorted(os.sched_getaffinity(0))
     try:
         fleet.start_redis()
         fleet.start_gateway()
-        fleet.start_worker("prefill-0", "prefill", "--cpu-bind", str(cores[0]))
-        fleet.start_worker("decode-0", "decode", "--cpu-bind", str(cores[-1]))
-        fleet.wait_ready({"prefill": 1, "decode": 1}, timeout_s=600)
+        if layout == "elastic":
+            fleet.start_worker("elastic-0", "elastic", "--cpu-bind", str(cores[0]))
+            fleet.start_worker("elastic-1", "elastic", "--cpu-bind", str(cores[-1]))
+            fleet.wait_ready({"elastic": 2}, timeout_s=600)
+        else:
+            fleet.start_worker("prefill-0", "prefill", "--cpu-bind", str(cores[0]))
+            fleet.start_worker("decode-0", "decode", "--cpu-bind", str(cores[-1]))
+            fleet.wait_ready({"prefill": 1, "decode": 1}, timeout_s=600)
         client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0, timeout=600)
         for _ in range(2):  # warm both engines
             client.completions.create(model=MODEL, prompt="warm up", max_tokens=4)
@@ -81,10 +88,10 @@ def run(min_remote_prefill_tokens: int, trials: int, workdir: Path) -> list[dict
 
 def main(args) -> None:
     with tempfile.TemporaryDirectory(prefix="skyline-burst-") as tmp:
-        results = run(args.min_remote_prefill_tokens, args.trials, Path(args.workdir or tmp))
+        results = run(args.min_remote_prefill_tokens, args.trials, Path(args.workdir or tmp), args.fleet)
     for k, r in enumerate(results):
         print(f"trial {k}: interactive TTFT {r['chat_ttft_s']:.2f} s; RAG TTFTs {r['rag_ttft_s']}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"min_remote_prefill_tokens": args.min_remote_prefill_tokens,
-                                              "trials": results}, indent=2))
+                                              "fleet": args.fleet, "trials": results}, indent=2))
