@@ -329,7 +329,7 @@ def _watch_steps(w, log: list, monkeypatch) -> None:
 
     def req_of(name, priority, prompt, computed):
         return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                               status=None)
+                               status=None, sampling_params=None)  # None: a request with targets
 
     def shape_step(shaper, order, decoding, sim):
         decodes = [req_of(f"d{i}", 0, 1, 2) for i in range(decoding)]
@@ -437,7 +437,8 @@ def test_a_decode_only_step_ends_a_run_of_held_steps_as_in_the_live_hook(monkeyp
     sim.run([_request(0, "standard", 0.0, 50, out=200), _request(1, "interactive", 0.5, 100, out=5)], 60.0)
     live = _live_hook(vllm_scheduler, w)
     live._shaper.held = 3
-    live.running = [SimpleNamespace(name="d", priority=1, num_prompt_tokens=50, num_computed_tokens=60)]
+    live.running = [SimpleNamespace(name="d", priority=1, num_prompt_tokens=50, num_computed_tokens=60,
+                                    sampling_params=None)]
     live.waiting = []
     live.schedule()  # a step with one stream decoding, nothing else
     assert ends and set(ends) == {live._shaper.held} == {0}

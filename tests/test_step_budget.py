@@ -88,3 +88,22 @@ def test_no_victims_for_a_claimed_strictest_tier_request_on_an_engine_that_holds
     # A looser-tier head is not held for: the usual check.
     batch_rag = [Running("rag", 2, 60_000, 1500, 0)]
     assert choose_victims(holds, batch_rag, Waiting(1, 1_000, 74), 0, 400) == ["rag"]
+
+
+def test_relaxed_steps_only_while_every_request_in_sight_asked_for_no_slo():
+    from skyline.scheduler.step_budget import StepShaper
+
+    shaper = StepShaper(urgent_priority=0, step_tokens=256, prefill_cap=224, background=128, max_held=16,
+                        relaxed_tokens=2048)
+    best_effort = [(1, 1024, True), (1, 1024, False)]
+    # Only best-effort work, none with targets ever seen: vLLM's own budget, no per-request cap.
+    assert shaper.shape(best_effort, 3, 0.0, targeted=False) == StepShape(2048, 0)
+    # A request with targets in the engine (prompt or decode): latency steps, as before.
+    assert shaper.shape(best_effort, 3, 1.0, targeted=True) == StepShape(256, 224)
+    # ... and for URGENT_MEMORY_S after it left, since more like it are likely on their way.
+    assert shaper.shape(best_effort, 3, 1.0 + URGENT_MEMORY_S - 1, targeted=False).tokens <= 256
+    assert shaper.shape(best_effort, 3, 1.0 + URGENT_MEMORY_S + 1, targeted=False) == StepShape(2048, 0)
+    # Off (0), or no larger than the latency step: every step is the latency step.
+    for relaxed in (0, 256):
+        off = StepShaper(urgent_priority=0, step_tokens=256, prefill_cap=224, relaxed_tokens=relaxed)
+        assert off.shape(best_effort, 3, 0.0, targeted=False) == StepShape(256, 224)

@@ -20,22 +20,39 @@ class _VllmStandIn:
         self.seen = (list(self.running), self.max_num_scheduled_tokens,
                      self.scheduler_config.long_prefill_token_threshold)
         self.running.append(SimpleNamespace(name="admitted-now", priority=0, num_prompt_tokens=9,
-                                            num_computed_tokens=0, status=None))  # vLLM may change the list
+                                            num_computed_tokens=0, status=None,
+                                            sampling_params=None))  # vLLM may change the list
         return "scheduler output"
 
 
 class _Shaped(vllm_scheduler._StepShaping, _VllmStandIn):
-    def __init__(self, max_held: int = 16):
+    def __init__(self, max_held: int = 16, relaxed: int = 0):
         self.vllm_config = SimpleNamespace(additional_config={vllm_scheduler.CONFIG_KEY: {
-            "background_tokens": 128, "max_held_steps": max_held, "urgent_priority": 0}})
-        self.max_num_scheduled_tokens = 256
+            "background_tokens": 128, "max_held_steps": max_held, "urgent_priority": 0,
+            "step_tokens": 256, "relaxed_tokens": relaxed}})
+        self.max_num_scheduled_tokens = max(256, relaxed)  # the engine is built for the longest step
         self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=224)
         self._init_step_shaping()
 
 
-def _req(name, priority, prompt, computed, status=None):
+def _req(name, priority, prompt, computed, status=None, best_effort=False):
+    from skyline.workers.engines.vllm_internals import BEST_EFFORT_ARG
+
+    params = SimpleNamespace(extra_args={BEST_EFFORT_ARG: True} if best_effort else None)
     return SimpleNamespace(name=name, priority=priority, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           status=status)
+                           status=status, sampling_params=params)
+
+
+def test_long_steps_while_every_request_in_the_engine_asked_for_no_slo():
+    s = _Shaped(relaxed=2048)
+    s.running = [_req("rag", 1, 1500, 384, best_effort=True), _req("stream", 1, 80, 95, best_effort=True)]
+    s.waiting = [_req("next", 1, 1024, 0, best_effort=True)]
+    s.schedule()
+    assert s.seen[1:] == (2048, 0)  # vLLM's own budget, no per-request cap
+    s.running = [r for r in s.running if r.name != "admitted-now"]
+    s.waiting = [_req("chat", 1, 60, 0)]  # one with targets arrives: short steps from the next one on
+    s.schedule()
+    assert s.seen[1:] == (256, 224)
 
 
 def test_a_waiting_chat_steps_with_the_decodes_while_the_started_rag_prompt_sits_out():

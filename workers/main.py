@@ -30,7 +30,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
             engine_nice=ec.engine_nice, kv_transfer=ec.kv_transfer, max_num_batched_tokens=ec.max_num_batched_tokens or None,
             block_size=ec.kv_block_size or None,
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
-            hold_background_steps=ec.hold_background_steps,
+            hold_background_steps=ec.hold_background_steps, relaxed_step_tokens=ec.best_effort_step_tokens,
             urgent_priority=urgent_priority, cache_events=ec.prefix_cache_events,
         )
     raise ValueError(f"unknown engine {ec.kind!r}: expected 'vllm' or 'sim'")

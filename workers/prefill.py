@@ -27,7 +27,8 @@ log = logging.getLogger("skyline.worker.prefill")
 
 
 def engine_request(req: messages.GenerateRequest) -> EngineRequest:
-    return EngineRequest(req.request_id, req.prompt_token_ids, req.sampling, req.priority, req.cache_salt)
+    return EngineRequest(req.request_id, req.prompt_token_ids, req.sampling, req.priority, req.cache_salt,
+                         targeted=not req.best_effort)
 
 
 class PrefillHandler:

@@ -82,6 +82,12 @@ class EngineConfig:
     # sit out (no tokens, no recompute: they keep their KV), at most this many steps in a row
     # before sharing one; 0 = never (vLLM's order: running prompts first).
     hold_background_steps: int = 16
+    # Tokens per step while every request in the engine asked for no SLO (best effort, as a `vllm
+    # serve` client) and none with targets was in it for 30 s: vLLM's own budget on CPU (`vllm serve`'s
+    # default), for throughput, since short steps then only pay the step's fixed cost more often. A
+    # request with targets arriving waits for at most one such step. 0 = off (every step at most
+    # max_num_batched_tokens). Needs max_num_batched_tokens > 0.
+    best_effort_step_tokens: int = 2048
     # KV cache per engine. On CPU it is all vLLM gets (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM sizes it
     # itself: on a GPU, from gpu_memory_utilization and what the weights leave (deploy/skyline-gpu.toml).
     kv_cache_gib: float = 1.0

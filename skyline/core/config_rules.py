@@ -90,6 +90,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("engine", "long_prefill_token_threshold"): (-1, None, True),
     ("engine", "background_step_tokens"): (-1, None, True),
     ("engine", "hold_background_steps"): _AT_LEAST_0,
+    ("engine", "best_effort_step_tokens"): _AT_LEAST_0,
     ("engine", "kv_cache_gib"): _AT_LEAST_0,
     ("engine", "gpu_memory_utilization"): _FRACTION,
     ("engine", "nixl_port"): _PORT,

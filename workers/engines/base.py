@@ -23,6 +23,9 @@ class EngineRequest:
     sampling: SamplingSpec
     priority: int = 0  # vLLM semantics: lower value = scheduled first
     cache_salt: str | None = None  # vLLM's prefix-cache salt (TokensPrompt.cache_salt)
+    # The request has latency targets (False: it asked for no SLO; the engine may take longer steps
+    # while only such requests are in it: scheduler/step_budget.py's relaxed steps).
+    targeted: bool = True
 
 
 @dataclass

@@ -88,6 +88,7 @@ class VllmEngine(Engine):
         long_prefill_token_threshold: int = 0,
         background_step_tokens: int = 0,
         hold_background_steps: int = 0,
+        relaxed_step_tokens: int = 0,
         urgent_priority: int = 0,
         kv_lease_s: int = DEFAULT_KV_LEASE_S,
         kv_role: str = "kv_both",
@@ -114,6 +115,9 @@ class VllmEngine(Engine):
         # those held back while strictest-tier prompts compute. Both 0 = vLLM's own scheduler.
         self.background_step_tokens = background_step_tokens
         self.hold_background_steps = hold_background_steps
+        # Steps while only requests that asked for no SLO are in the engine (scheduler/step_budget.py):
+        # the engine is built for them, and the step-shaping scheduler keeps other steps to the step above.
+        self.relaxed_step_tokens = relaxed_step_tokens
         self.urgent_priority = urgent_priority
         self.kv_lease_s = kv_lease_s
         # vLLM 0.32 logs kv_both as deprecated (kv_producer / kv_consumer per
@@ -201,19 +205,22 @@ class VllmEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         if self.enable_chunked_prefill is not None:
             kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
-        if self.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        step = self.max_num_batched_tokens
+        if step is not None:
+            kwargs["max_num_batched_tokens"] = max(step, self.relaxed_step_tokens)
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
         if self.long_prefill_token_threshold > 0:
             kwargs["long_prefill_token_threshold"] = self.long_prefill_token_threshold
-        if (self.background_step_tokens > 0 or self.hold_background_steps > 0) and self.scheduling_policy == "priority":
+        relaxed = self.relaxed_step_tokens if step is not None and self.relaxed_step_tokens > step else 0
+        if (self.background_step_tokens > 0 or self.hold_background_steps > 0 or relaxed) \
+                and self.scheduling_policy == "priority":
             from skyline.workers.engines import vllm_scheduler
 
             kwargs["scheduler_cls"] = vllm_scheduler.QUALNAME
             kwargs["additional_config"] = {vllm_scheduler.CONFIG_KEY: {
                 "background_tokens": self.background_step_tokens, "max_held_steps": self.hold_background_steps,
-                "urgent_priority": self.urgent_priority}}
+                "urgent_priority": self.urgent_priority, "step_tokens": step or 0, "relaxed_tokens": relaxed}}
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
@@ -382,7 +389,7 @@ class VllmEngine(Engine):
 
         # The same salt: the n sequences that follow must find these blocks in the prefix cache.
         pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority,
-                             req.cache_salt)
+                             req.cache_salt, req.targeted)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"kv_transfer_params": handle})
         loaded = 0
@@ -402,6 +409,8 @@ class VllmEngine(Engine):
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
+        if not req.targeted:  # the step-shaping scheduler may step long while only such requests are in
+            params.extra_args = {**(params.extra_args or {}), vllm_internals.BEST_EFFORT_ARG: True}
         try:
             # vLLM appends a random suffix to make its internal request id; the
             # id given here stays the external id, which abort() accepts.

@@ -66,7 +66,7 @@ SCHEDULER_SCHEDULE = Internal(
 ASYNC_SCHEDULER = Internal("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", SCHEDULER.used_for)
 SCHEDULED_REQUEST = Internal(
     "vllm.v1.request", "Request", "for what the step-shaping scheduler reads of each request it holds",
-    fields=("num_prompt_tokens", "num_computed_tokens", "priority", "status"))
+    fields=("num_prompt_tokens", "num_computed_tokens", "priority", "status", "sampling_params"))
 WAITING_FOR_REMOTE_KVS = Internal(
     "vllm.v1.request", "RequestStatus.WAITING_FOR_REMOTE_KVS",
     "to leave out of the step shape a request that waits for its KV from a prefill engine")
@@ -213,6 +213,17 @@ def scheduler_classes() -> tuple[type, type]:
     """vLLM's scheduler classes: (synchronous, async scheduling), to subclass."""
     SCHEDULER_SCHEDULE.resolve()
     return SCHEDULER.resolve(), ASYNC_SCHEDULER.resolve()
+
+
+# The key, in a request's SamplingParams.extra_args, that marks a request that asked for no SLO (VllmEngine
+# sets it; the step-shaping scheduler reads it). extra_args is vLLM's free-form field for such plugins.
+BEST_EFFORT_ARG = "skyline_best_effort"
+
+
+def asked_for_no_slo(request: Any) -> bool:
+    """Whether a request the scheduler holds asked for no SLO (no latency targets: best effort)."""
+    params = request.sampling_params
+    return bool(params is not None and params.extra_args and params.extra_args.get(BEST_EFFORT_ARG))
 
 
 def waits_for_remote_kv(request: Any) -> bool:

@@ -39,10 +39,13 @@ class _StepShaping:
         self._urgent_priority = int(settings.get("urgent_priority", 0))
         vllm_internals.own_scheduler_config(self)  # the cap is rewritten every step
         # The rule and its state between steps (when strictest-tier work was last here, steps held in a row).
-        self._shaper = StepShaper(urgent_priority=self._urgent_priority, step_tokens=self.max_num_scheduled_tokens,
+        # The latency step (the engine's own budget is the relaxed step's when that is larger).
+        step_tokens = int(settings.get("step_tokens") or 0) or self.max_num_scheduled_tokens
+        self._shaper = StepShaper(urgent_priority=self._urgent_priority, step_tokens=step_tokens,
                                   prefill_cap=self.scheduler_config.long_prefill_token_threshold,
                                   background=int(settings.get("background_tokens", 0)),
-                                  max_held=int(settings.get("max_held_steps", 0)))
+                                  max_held=int(settings.get("max_held_steps", 0)),
+                                  relaxed_tokens=int(settings.get("relaxed_tokens", 0)))
 
     def schedule(self, *args: Any, **kwargs: Any):
         prompts, decoding = [], 0
@@ -55,7 +58,10 @@ class _StepShaping:
         # A request waiting for its KV from a prefill engine computes (almost) nothing here.
         prompts.extend((r.priority, r.num_prompt_tokens, False) for r in self.waiting
                        if not vllm_internals.waits_for_remote_kv(r))
-        shape = self._shaper.shape(prompts, decoding, time.monotonic())
+        # Some request here (prompt or stream) has latency targets: steps stay short (step_budget.py).
+        targeted = not all(map(vllm_internals.asked_for_no_slo, self.running)) or not all(
+            map(vllm_internals.asked_for_no_slo, self.waiting))
+        shape = self._shaper.shape(prompts, decoding, time.monotonic(), targeted)
         vllm_internals.set_step_shape(self, shape.tokens, shape.prefill_cap)
         if shape.decodes_first:
             vllm_internals.decodes_first(self)
