@@ -4,7 +4,8 @@ Each test runs a small simulated fleet and, at every decision its workers (or it
 live code the same question in the same state, and compares the answers:
 
   - the live side is the real code: `WorkerRuntime` (its claim-room check, the tiers a shield lets it claim
-    and the shield's lift, the preemption victims it picks and their order, its measured-rate-or-prior),
+    and the shield's lift, the preemption victims it picks and their order, its measured-rate-or-prior,
+    how long it waits before a claim: `_claim_defer`),
     `TierQueues` (the retry lane's tie, EDF over the heads), `DecodeHandler._plan` (the KV handle's expiry),
     the vLLM scheduler hook (the step shape and its held-steps counter), and the gateway's
     `apply_admission` and `learn` (admission, demotion, the calibration hook). No Redis and no engine: its
@@ -29,7 +30,7 @@ import pytest
 
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
-from skyline.core.streams import Claimed
+from skyline.core.streams import Claimed, Head
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.scheduler.admission import handoff_wait_ms, prefill_is_faster, stage_of
@@ -165,9 +166,10 @@ def _live(cfg: SkylineConfig, sim: Simulation, q, monkeypatch, kv_usage=lambda: 
 
 
 def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> None:
-    """Every claim the simulated worker makes (`claim_for`) and every preemption it decides (`victims_for`)
-    is asked of the live worker in the same state; the live worker then holds what the simulated one holds."""
-    real_claim, real_victims = module.claim_for, module.victims_for
+    """Every claim the simulated worker makes (`claim_for`), every wait before a claim it weighs
+    (`claim_defer`) and every preemption it decides (`victims_for`) is asked of the live worker in the same
+    state; the live worker then holds what the simulated one holds."""
+    real_claim, real_victims, real_defer = module.claim_for, module.victims_for, module.claim_defer
 
     def claim_for(w, q, held):
         if w is not worker:
@@ -197,8 +199,23 @@ def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> Non
             twin.hold(head)  # the live worker starts the request after its preemption check
         return out
 
+    def claim_defer(w, item, computing_tokens, held):
+        got = real_defer(w, item, computing_tokens, held)
+        if w is not worker:
+            return got
+        req = item[0]
+        # The head as the live worker's peek reads it: no prompt to compute for decode work with a KV handle.
+        head = Head(req.tier, int(req.deadline * 1000), req.prompt_tokens, request_id=_rid(req),
+                    prefill_tokens=0 if item[1] is not None else req.backlog_tokens)
+        live = twin.rt._claim_defer(head)
+        assert got == live, (f"claim defers differ at {w.sim.loop.now:.3f} s for {_rid(req)}: "
+                             f"simulated {got}, live {live}")
+        log.append(("defer", live))
+        return got
+
     monkeypatch.setattr(module, "claim_for", claim_for)
     monkeypatch.setattr(module, "victims_for", victims_for)
+    monkeypatch.setattr(module, "claim_defer", claim_defer)
 
 
 def _watch_room(worker, twin: LiveTwin, log: list) -> None:
@@ -239,9 +256,10 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
 
     w._finish = finish
     reqs = [
+        # Each claim after the first waits out the claim defer (0.25 s: the prompts computing take longer).
         _request(0, "batch", 0.000, 1200), _request(1, "batch", 0.001, 800), _request(2, "standard", 0.002, 300),
-        _request(3, "interactive", 0.003, 200),  # the worker is full (2,300 tokens): preempts, shields
-        _request(4, "standard", 0.004, 100),  # shielded: waits while the interactive prompt computes
+        _request(3, "interactive", 0.6, 200),  # the worker is full by then (2,300 tokens): preempts, shields
+        _request(4, "standard", 0.601, 100),  # shielded: waits while the interactive prompt computes
         _request(5, "interactive", 3.0, 120), _request(6, "batch", 3.001, 1900), _request(7, "standard", 3.002, 150),
         _request(8, "interactive", 3.003, 400), _request(9, "interactive", 3.004, 300),
         _request(10, "batch", 3.005, 50),
@@ -255,6 +273,9 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
     assert sim.counters["preempted"] >= 3
     assert ("room", False) in log and ("room", True) in log
     assert len({v for k, v in log if k == "rate"}) > 2  # measured rates, not only the prior
+    defers = {v for k, v in log if k == "defer"}
+    assert 0.0 in defers and cfg.worker.claim_defer_max_s in defers, defers  # a stricter tier at once; capped
+    assert any(0 < d < cfg.worker.claim_defer_max_s for d in defers), defers  # the engine's time for its prompts
 
 
 # -- the decode worker: room (budget, KV, pace), local prompts' preemption, step shape -----------------------
@@ -399,6 +420,8 @@ def test_the_decode_worker_decides_as_the_live_one(monkeypatch):
     assert True in rooms and False in rooms
     assert [v for k, v in log if k == "victims" and v], "no local prompt was preempted"
     assert ("claim", None) in log  # a shield held a claim back
+    defers = {v for k, v in log if k == "defer"}
+    assert 0.0 in defers and any(d > 0 for d in defers), defers  # waits before a claim, and none
 
 
 def test_the_decode_engine_shapes_its_steps_as_the_live_scheduler_hook(monkeypatch):

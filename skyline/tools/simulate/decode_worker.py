@@ -25,6 +25,9 @@ live rules apply to them: claims stop at `prefill_token_budget` prompt
 tokens in the engine, and fleet-level preemption (`preempt.py`) aborts
 looser-tier ones for a request that would miss its deadline (at its claim,
 and for the stage's EDF head while the worker is full).
+While it computes prompts, it waits before claiming one more
+(`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`; live:
+`TierQueues.claim` sleeps), out of the ready queue, then claims what is due.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
 from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.tools.simulate.preempt import claim_for, victims_for
+from skyline.tools.simulate.preempt import claim_defer, claim_for, peek_for, victims_for
 from skyline.tools.simulate.prefill_worker import plan_chunks, shape_step
 from skyline.tools.simulate.request import SimRequest
 
@@ -127,6 +130,9 @@ class DecodeWorker:
         self.loop = sim.loop
         self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
         self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
+        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps).
+        self.asleep = False
+        self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- room and claims ---------------------------------------------------------------
 
@@ -146,8 +152,12 @@ class DecodeWorker:
         tightest = min(self.tpot_held) if self.tpot_held else None
         self.pace_ok = pace_allows(self.pace.seconds_per_token(now), tightest, self.headroom)
 
-    def claim_while_room(self, limit: int = 1 << 30) -> None:
-        """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left."""
+    def claim_while_room(self, limit: int = 1 << 30, woke: bool = False) -> None:
+        """Claim up to `limit` entries while there is room; then wait in the ready queue if room is left.
+        A claim its engine's prompts defer (`claim_wait`) waits: the worker sleeps, out of the ready queue,
+        and claims when it wakes (`woke`: this call is that claim, not deferred again)."""
+        if self.asleep:
+            return  # its claim loop sleeps: it claims when it wakes
         sim = self.sim
         now = sim.loop.now
         room = None  # has_room() as last asked, while nothing changed since (None: ask again)
@@ -156,6 +166,12 @@ class DecodeWorker:
             if not room:
                 break
             q = self.queue_to_claim()
+            if self.local_tokens and not woke and q is not None:
+                wait = self.claim_wait(q)
+                if wait is not None:
+                    self._sleep(q, wait[2])
+                    return
+            woke = False
             item = claim_for(self, q, self.local) if q is not None else None
             if item is None:  # shielded and only looser tiers wait, or only work placed for others
                 if self.claims.shield is not None:
@@ -168,6 +184,46 @@ class DecodeWorker:
         if not self.in_ready and (self.has_room() if room is None else room):
             self.in_ready = True
             sim.decode_ready.append(self)
+
+    def claim_wait(self, q: StageQueues | None = None) -> tuple | None:
+        """(stage queue, entry, seconds) when the worker's next claim, from `q` (default: the stage it would
+        claim from), waits before it is made (`preempt.claim_defer`: its engine computes prompts); None when
+        it claims at once."""
+        if not self.local_tokens or not self.defers:
+            return None
+        if q is None:
+            q = self.queue_to_claim()
+            if q is None:
+                return None
+        item = peek_for(self, q, self.local)
+        if item is None:
+            return None
+        wait = claim_defer(self, item, self.local_tokens, self.local)
+        return (q, item, wait) if wait > 0 else None
+
+    @property
+    def computing_tokens(self) -> int:
+        """Prompt tokens its engine computes: what the claim defer weighs."""
+        return self.local_tokens
+
+    def wait_for(self, item: tuple) -> float:
+        """Seconds the worker would wait before claiming entry `item` (0: it claims it now)."""
+        return claim_defer(self, item, self.local_tokens, self.local) if self.local_tokens else 0.0
+
+    def _sleep(self, q: StageQueues, wait: float) -> None:
+        """Wait `wait` s before the next claim (live: `TierQueues.claim` sleeps), out of the ready queue."""
+        self.asleep = True
+        q.deferring += 1
+        if self.in_ready:
+            self.in_ready = False
+            self.sim.decode_ready.remove(self)
+        self.loop.after(wait, self._wake, q)
+
+    def _wake(self, q: StageQueues) -> None:
+        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again."""
+        self.asleep = False
+        q.deferring -= 1
+        self.claim_while_room(woke=True)
 
     def work_waiting(self) -> bool:
         """Is anything queued in the stages it consumes (an elastic worker: both)?"""

@@ -13,7 +13,12 @@ a 429, as in the bench.
 Workers waiting for work queue in arrival order, as consumers blocked in
 XREADGROUP do: an entry goes to the longest-waiting worker with room; a
 worker that frees room claims while it has some (`prefill_worker.py`,
-`decode_worker.py`).
+`decode_worker.py`). Who claims a prompt first (`scheduler.claiming.claim_defer_s`,
+`preempt.claim_defer`): a worker whose engine computes prompts waits before
+claiming one more, so the longest-waiting worker that would not wait takes a
+new entry; when every waiting worker would, the one with the shortest wait
+sleeps that long and claims then (unless a worker that waits less took it
+first), and each entry wakes one such worker (`_claimer`).
 
 Prefix caches and affinity (`prefix_cache=True`; requests with a chain, sessions.py): every
 engine has an LRU prefix cache (prefix_cache.py), and the gateway decides as
@@ -99,6 +104,7 @@ class Simulation:
             raise ValueError("elastic fleets are simulated without prefix caches and shared hosts (not modelled yet)")
         self.cfg, self.fleet = cfg, fleet
         self.worker_cfg = cfg.worker
+        self.defers = cfg.worker.claim_defer_max_s > 0  # busy workers wait before claiming a prompt
         self.claim_room = ClaimRoom(cfg.worker.max_running, cfg.worker.prefill_token_budget, cfg.worker.kv_watermark)
         self.perf_prefill, self.perf_decode = perf_prefill, perf_decode
         self.record_itl, self.allow_demotion, self.overhead_s = record_itl, allow_demotion, overhead_s
@@ -266,10 +272,8 @@ class Simulation:
         # New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order); each
         # claims if it has room and re-queues itself at the tail while it has room (a shielded worker that
         # finds nothing it may take leaves the queue).
-        while q.size > q.placed_size and ready:
-            w = ready.popleft()
-            w.in_ready = False
-            w.claim_while_room(1)
+        while q.size > q.placed_size and ready and self._wake_one(ready):
+            pass
         if q.size and self.preemption.enabled:
             self._arm_preemption()
 
@@ -299,19 +303,64 @@ class Simulation:
         for _ in range(len(ready)):
             if not ready or not q.placed_size or not q.claimable(ready[0].name, now_ms):
                 return
-            w = ready.popleft()
-            w.in_ready = False
-            w.claim_while_room(1)
+            if not self._wake_one(ready, 1):
+                return
+
+    def _wake_one(self, ready: deque, placed: int = 0) -> bool:
+        """Wake the waiting worker that claims the next entry (`_claimer`); False when none is woken."""
+        w = ready[0]
+        if self.defers:
+            w = self._claimer(ready, placed)
+            if w is None:
+                return False
+            if w is not ready[0]:
+                ready.remove(w)
+                w.in_ready = False
+                w.claim_while_room(1)
+                return True
+        ready.popleft()
+        w.in_ready = False
+        w.claim_while_room(1)
+        return True
+
+    def _claimer(self, ready: deque, placed: int = 0) -> Any:
+        """Which waiting worker answers the next entry first (live: every blocked worker wakes; those whose
+        engine computes nothing answer at once, the others after their claim defer, `claim_wait`): the
+        longest-waiting one that would not wait; else the one that waits least, which then sleeps before
+        its claim, unless each entry it could claim (`placed`: entries past their bound, besides the shared
+        streams') already has a worker sleeping towards it (None). Only when the longest-waiting worker
+        would wait are the others asked, each about that entry."""
+        first = ready[0]
+        wait = first.claim_wait()
+        if wait is None:
+            return first
+        q, item, best_s = wait
+        if len(self.ranks_seen) < 2:
+            # One tier so far: a worker claims at once only when it computes nothing (the hot path: an
+            # attribute per worker; the waits are computed only to pick the shortest).
+            for w in ready:
+                if not w.computing_tokens:
+                    return w
+            if q.size - q.placed_size + placed <= q.deferring:
+                return None
+        best = first
+        for w in ready:
+            if w is first:
+                continue
+            s = w.wait_for(item)
+            if s <= 0:
+                return w
+            if s < best_s:
+                best, best_s = w, s
+        return best if q.size - q.placed_size + placed > q.deferring else None
 
     def to_decode(self, req: SimRequest, kv_from_prefill: bool) -> None:
         """A prefill worker hands the request (and its KV handle) to the decode stage."""
         q, ready = self.decode_q, self.decode_ready
         q.queues[req.tier].append((req, self.loop.now if kv_from_prefill else None))  # q.push, inlined
         q.size += 1
-        while q.size > q.placed_size and ready:  # to the workers blocked longest, as in `arrive`
-            w = ready.popleft()
-            w.in_ready = False
-            w.claim_while_room(1)
+        while q.size > q.placed_size and ready and self._wake_one(ready):  # to the workers blocked longest
+            pass
 
     def hand_off(self, req: SimRequest, peer: str, by: str) -> None:
         """An elastic worker computed the prompt and hands its decode to `peer`: on the peer's affinity lane

@@ -10,12 +10,18 @@ claimed and, while the worker is full, for the EDF head of its stage every
 `scheduler.claiming.RECHECK_S`. A worker that preempted is shielded
 (`scheduler.claiming.ClaimShield`): it claims only the protected tiers until
 their work here is done, or their deadline passes.
+
+Who claims first (`scheduler.claiming.claim_defer_s`, as the live `WorkerRuntime._claim_defer`): a
+worker whose engine computes prompts waits about as long as they take before claiming one more
+prompt (`claim_defer`, on the entry `peek_for` shows it), so that an engine computing less claims it
+first; a KV hand-off, or a tier stricter than anything computing, is claimed at once.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from skyline.scheduler.claiming import claim_defer_s
 from skyline.scheduler.preemption import Waiting, victims
 from skyline.scheduler.throughput import rate_or_prior
 from skyline.tools.simulate.request import SimRequest
@@ -79,3 +85,31 @@ def claim_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) 
             return item
         if not gate.found_nothing(h.req.rank for h in held):
             return None
+
+
+def peek_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) -> tuple | None:
+    """The entry `claim_for` would give the worker now, left in the queue (None: it would get none): what
+    the live worker's claim loop peeks before it decides how long to wait (`claim_defer`). A shield that
+    finds none of its tiers computing lifts here, as the claim would lift it."""
+    gate = worker.claims
+    now_ms = int(worker.sim.loop.now * 1000)
+    if gate.shield is None:
+        return q.peek_as(worker.name, now_ms) if q.placed_size else q.peek()
+    while True:
+        max_rank = gate.max_rank(now_ms)
+        item = q.peek_as(worker.name, now_ms, max_rank) if q.placed_size else q.peek(max_rank)
+        if item is not None or max_rank is None:
+            return item
+        if not gate.found_nothing(h.req.rank for h in held):
+            return None
+
+
+def claim_defer(worker: PrefillWorker | DecodeWorker, item: tuple, computing_tokens: int, held: list) -> float:
+    """Seconds the worker waits before claiming entry `item` (`scheduler.claiming.claim_defer_s`), its engine
+    computing the prompts of handles `held` (`computing_tokens` tokens in all) at its prefill rate
+    (`measured_rate`, as its preemption asks): the live `WorkerRuntime._claim_defer`. 0: claim it now."""
+    if not computing_tokens or item[1] is not None:
+        return 0.0  # nothing computing, or KV to pull (no prompt to compute): the rate is not asked, as live
+    req: SimRequest = item[0]
+    return claim_defer_s(req.backlog_tokens, req.rank, computing_tokens, [h.req.rank for h in held],
+                         measured_rate(worker), worker.sim.worker_cfg.claim_defer_max_s)

@@ -14,6 +14,9 @@ tokens leave the backlog) and handed to the decode stage.
 
 Fleet-level preemption (`preempt.py`), as the live worker: for each request
 it claims, and for the EDF head while it is full.
+While it computes prompts it waits before claiming one more
+(`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`), so an idle
+worker takes a new prompt first.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 from skyline.scheduler.claiming import ClaimShield
 from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.tools.simulate.preempt import claim_for, victims_for
+from skyline.tools.simulate.preempt import claim_defer, claim_for, peek_for, victims_for
 from skyline.tools.simulate.request import SimRequest
 
 if TYPE_CHECKING:
     from skyline.tools.simulate.decode_worker import DecodeWorker
     from skyline.tools.simulate.fleet import Simulation
     from skyline.tools.simulate.prefix_cache import PrefixCache
+    from skyline.tools.simulate.queues import StageQueues
 
 
 class _Held:
@@ -61,22 +65,36 @@ class PrefillWorker:
                                  prefill_cap=sim.prefill_cap, background=sim.prefill_background,
                                  max_held=sim.max_held_steps)
         self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
+        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps).
+        self.asleep = False
+        self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- claiming ------------------------------------------------------------------
 
     def has_room(self) -> bool:
         return self.room.prefill(len(self.held), self.tokens_held)
 
-    def claim_while_room(self, limit: int = 1 << 30) -> None:
-        """Claim up to `limit` entries while there is room (the live loop claims one at a time until full)."""
+    def claim_while_room(self, limit: int = 1 << 30, woke: bool = False) -> None:
+        """Claim up to `limit` entries while there is room (the live loop claims one at a time until full).
+        A claim its engine's prompts defer (`claim_wait`) waits: the worker sleeps, out of the ready queue,
+        and claims when it wakes (`woke`: this call is that claim, not deferred again)."""
+        if self.asleep:
+            return  # its claim loop sleeps: it claims when it wakes
         sim = self.sim
         q = sim.prefill_q
-        shielded = False
+        shielded = slept = False
         room = None  # has_room() as last asked, while nothing changed since (None: ask again)
         while q.size and limit > 0:
             room = self.has_room()
             if not room:
                 break
+            if self.tokens_held and not woke:
+                wait = self.claim_wait(q)
+                if wait is not None:
+                    self._sleep(q, wait[2])
+                    slept = True
+                    break
+            woke = False
             item = claim_for(self, q, self.held)
             if item is None:  # shielded and only looser tiers wait, or only work placed for others
                 # Shielded: out of the ready queue, nothing there is its to take; its steps claim again.
@@ -98,9 +116,46 @@ class PrefillWorker:
             self._start_step()
             if self.neighbour is not None:
                 self.neighbour.neighbour_changed()  # from idle to busy
-        if not shielded and not self.in_ready and (self.has_room() if room is None else room):  # into the ready queue
-            self.in_ready = True
+        if not shielded and not slept and not self.in_ready and (self.has_room() if room is None else room):
+            self.in_ready = True  # into the ready queue
             sim.prefill_ready.append(self)
+
+    def claim_wait(self, q: StageQueues | None = None) -> tuple | None:
+        """(stage queue, entry, seconds) when the worker's next claim waits before it is made
+        (`preempt.claim_defer`: its engine computes prompts); None when it claims at once."""
+        if not self.tokens_held or not self.defers:
+            return None
+        if q is None:
+            q = self.sim.prefill_q
+        item = peek_for(self, q, self.held)
+        if item is None:
+            return None
+        wait = claim_defer(self, item, self.tokens_held, self.held)
+        return (q, item, wait) if wait > 0 else None
+
+    @property
+    def computing_tokens(self) -> int:
+        """Prompt tokens its engine computes: what the claim defer weighs."""
+        return self.tokens_held
+
+    def wait_for(self, item: tuple) -> float:
+        """Seconds the worker would wait before claiming entry `item` (0: it claims it now)."""
+        return claim_defer(self, item, self.tokens_held, self.held) if self.tokens_held else 0.0
+
+    def _sleep(self, q: StageQueues, wait: float) -> None:
+        """Wait `wait` s before the next claim (live: `TierQueues.claim` sleeps), out of the ready queue."""
+        self.asleep = True
+        q.deferring += 1
+        if self.in_ready:
+            self.in_ready = False
+            self.sim.prefill_ready.remove(self)
+        self.sim.loop.after(wait, self._wake, q)
+
+    def _wake(self, q: StageQueues) -> None:
+        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again."""
+        self.asleep = False
+        q.deferring -= 1
+        self.claim_while_room(woke=True)
 
     def busy(self) -> bool:
         return self.stepping

@@ -30,7 +30,8 @@ from skyline.tools.simulate.request import SimRequest
 
 
 class StageQueues:
-    __slots__ = ("backlog", "placed", "placed_size", "queues", "retry", "retry_size", "size", "stage", "tier_order")
+    __slots__ = ("backlog", "deferring", "placed", "placed_size", "queues", "retry", "retry_size", "size", "stage",
+                 "tier_order")
 
     def __init__(self, stage: str, tier_order: tuple[str, ...]):
         self.stage = stage
@@ -43,6 +44,9 @@ class StageQueues:
         # worker -> tier -> its affinity lane, for the workers with placed work waiting (by worker name)
         self.placed: dict[str, dict[str, deque]] = {}
         self.placed_size = 0  # entries in affinity lanes
+        # Workers waiting out a claim defer (scheduler.claiming.claim_defer_s) before claiming from here:
+        # each claims an entry when it wakes, so the fleet wakes no other waiting worker for that many.
+        self.deferring = 0
 
     def push(self, req: SimRequest, item) -> None:
         self.queues[req.tier].append(item)
@@ -134,6 +138,31 @@ class StageQueues:
             return None
         chosen = self._choose(me, now_ms, max_rank)
         return None if chosen is None else chosen[2]
+
+    def peek_as(self, me: str, now_ms: int, max_rank: int | None = None):
+        """The entry `claim_as` would give worker `me`, left where it is (None when none)."""
+        chosen = self._choose(me, now_ms, max_rank)
+        return None if chosen is None else chosen[0][0]
+
+    def peek(self, max_rank: int | None = None):
+        """The entry `claim` would take, left where it is (None when none)."""
+        if self.size == self.placed_size:
+            return None
+        if not self.retry_size and max_rank is None:
+            only = None
+            for q in self.queues.values():
+                if q:
+                    if only is not None:  # several tiers waiting: the EDF policy chooses
+                        return self.queues[pick_tier(self.heads(), self.tier_order)][0]  # type: ignore[index]
+                    only = q
+            return None if only is None else only[0]  # one tier waiting: `claim`'s hot path
+        heads = self.heads()
+        if max_rank is not None:
+            allowed = self.tier_order[: max_rank + 1]
+            heads = {t: d for t, d in heads.items() if t in allowed}
+        if not heads:
+            return None
+        return self._lane(pick_tier(heads, self.tier_order))[0]  # type: ignore[arg-type, index]
 
     def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
         """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,

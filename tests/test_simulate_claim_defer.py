@@ -1,0 +1,81 @@
+"""Who claims a prompt first in the simulator: the live claim defer (scheduler/claiming.py `claim_defer_s`).
+
+A worker whose engine computes prompts waits before it claims one more (about as long as its engine needs
+for them, at most `[worker] claim_defer_max_s`), so an engine computing nothing, or less, claims it first.
+Elastic engines on a hand-checkable model: prompts at 1,000 tokens/s (the prior rate the claim defer
+uses until a rate is measured), every prompt served whole where it is claimed (the colocated route).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from skyline.core.config import load_config
+from skyline.scheduler.claiming import CLAIM_DEFER_MAX_S
+from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
+from skyline.tools.simulate.request import SimRequest
+from tests.simmodels import HandModel
+
+CFG = with_overrides(load_config(None), admission=False, min_remote_prefill_tokens=1_000_000)
+RATE = CFG.worker.prior_prefill_tokens_per_s  # 1,000 tokens/s: the model's speed and the rate the defer uses
+MODEL = HandModel("e", RATE, step_s=0.01)
+
+
+def _request(i: int, at: float, prompt: int, tier: str = "standard") -> SimRequest:
+    return SimRequest(i, "chat", tier, at, prompt, 4, float("inf"), float("inf"))
+
+
+def _claims(reqs: list[SimRequest], engines: int = 2, cfg=CFG) -> dict[int, tuple[str, float]]:
+    """request index -> (the elastic worker that claimed it, when)."""
+    sim = Simulation(cfg, FleetSpec("elastic", 0, engines), MODEL, MODEL)
+    claims: dict[int, tuple[str, float]] = {}
+    for w in sim.decode_workers:
+        def take(item, q, now, w=w, inner=w.take):
+            claims.setdefault(item[0].index, (w.name, now))
+            inner(item, q, now)
+        w.take = take  # type: ignore[method-assign]
+    sim.run(reqs, 30.0)
+    assert all(r.outcome == "ok" for r in reqs)
+    assert sim.prefill_q.deferring == sim.decode_q.deferring == 0 and not any(w.asleep for w in sim.decode_workers)
+    return claims
+
+
+# elastic-0 computes a 2,000-token prompt (2 s); elastic-1 claims a 100-token one (0.1 s), after which
+# the ready queue holds elastic-0 first: without the defer, the next prompt would go to it.
+BUSY_FIRST = [_request(0, 0.0, 2_000), _request(1, 0.001, 100)]
+
+
+def test_an_idle_engine_claims_a_new_prompt_before_the_one_computing():
+    claims = _claims([*BUSY_FIRST, _request(2, 0.5, 300)])
+    assert claims[0][0] == "elastic-0" and claims[1][0] == "elastic-1"
+    assert claims[2] == ("elastic-1", 0.5)  # computing nothing by then: at once
+
+
+def test_when_both_compute_the_one_with_less_to_compute_claims_after_its_defer():
+    claims = _claims([*BUSY_FIRST, _request(2, 0.01, 300)])
+    # elastic-0 would wait 0.25 s (2 s of prompt, capped), elastic-1 0.1 s (100 tokens): it sleeps, then claims.
+    name, at = claims[2]
+    assert name == "elastic-1" and at == pytest.approx(0.01 + 100 / RATE)
+
+
+def test_with_the_defer_off_the_longest_waiting_worker_claims_at_once():
+    off = replace(CFG, worker=replace(CFG.worker, claim_defer_max_s=0.0))
+    claims = _claims([*BUSY_FIRST, _request(2, 0.01, 300)], cfg=off)
+    assert claims[2] == ("elastic-0", 0.01)  # the case above, as the simulator had it before the defer
+
+
+def test_a_stricter_tier_than_anything_computing_is_claimed_at_once():
+    claims = _claims([*BUSY_FIRST, _request(2, 0.01, 300, tier="interactive")])
+    assert claims[2] == ("elastic-0", 0.01)  # it may preempt: no wait, whoever waited longest
+
+
+def test_a_worker_claiming_again_right_after_a_claim_waits_too():
+    """One engine, full (a prompt over the 2,048-token budget) while two prompts queue: when its prompt is
+    done it claims the first at once (it computes nothing), and the second after the first's time."""
+    long, a, b = _request(0, 0.0, 2_100), _request(1, 0.01, 200), _request(2, 0.02, 300)
+    claims = _claims([long, a, b], engines=1)
+    done = 2_100 / RATE
+    assert claims[1][1] == pytest.approx(done)
+    assert claims[2][1] == pytest.approx(done + min(CLAIM_DEFER_MAX_S, 200 / RATE))
