@@ -31,6 +31,7 @@ from skyline.tools.bench.prompts import PromptBuilder
 from skyline.tools.bench.tokenizer import SimTokenizer
 from skyline.tools.bench.workload import WorkloadSpec, make_requests
 from tests.fleet import Fleet
+from tests.procs import wait_until
 
 MODEL = "skyline-sim"
 # Decode steps slow down with every running sequence (5 ms each): a batch that fills the decode
@@ -245,17 +246,19 @@ def test_a_runner_killed_mid_batch_is_replaced_and_no_request_runs_twice(client,
 
         start_runner(fleet, "runner-b")
         done = wait_done(client, batch.id, 60)
-        time.sleep(0.5)  # the last frames reach the listener
+        assert done.status == "completed" and done.request_counts.completed == 200
+        out = jsonl_of(client, done.output_file_id)
+        answered = Counter(o["response"]["request_id"] for o in out)
+        wait_until(lambda: set(answered) <= set(frames.counts), 10,
+                   lambda: f"the Finished frames of {len(set(answered) - set(frames.counts))} answered lines "
+                           "to reach the listener")
     finally:
         frames.close()
         for name in ("runner-a", "runner-b"):
             if name in fleet.procs:
                 fleet.stop(name)
 
-    assert done.status == "completed" and done.request_counts.completed == 200
-    out = jsonl_of(client, done.output_file_id)
     assert sorted(o["custom_id"] for o in out) == sorted(f"k{i}" for i in range(200))
-    answered = Counter(o["response"]["request_id"] for o in out)
     # Every line was computed by the fleet exactly once: one Finished frame per output line, no other.
     assert set(frames.counts) == set(answered) and set(frames.counts.values()) == {1}
     job = Job.fetch(batch.id, connection=redis.Redis.from_url(fleet.redis_url))

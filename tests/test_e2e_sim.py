@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.fleet import Fleet
+from tests.procs import wait_until
 
 MODEL = "skyline-sim"
 
@@ -129,7 +130,9 @@ def test_no_decode_worker_alive_gives_503_quickly(fleet, client):
     # Runs last in this module: it takes the decode pool away.
     fleet.stop("decode-a")
     fleet.stop("decode-b")
-    time.sleep(1.0)  # a stopped worker deregisters itself; the gateway's view refreshes every 0.5 s
+    # A stopped worker deregisters itself; the gateway's view (its /health) refreshes every 0.5 s.
+    wait_until(lambda: not fleet.health()["workers"].get("decode"), 10,
+               lambda: f"the gateway to see no decode worker: {fleet.health()['workers']}")
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=MODEL, prompt="anyone?", max_tokens=5)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.fleet import Fleet
-from tests.procs import descendants, wait_gone
+from tests.procs import descendants, wait_gone, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -195,11 +195,28 @@ PASSAGE = (
 )
 
 
-def test_interactive_request_overtakes_queued_rag_prompts(client):
+def test_interactive_request_overtakes_queued_rag_prompts(fleet, client, redis_url):
     """Six ~1,500-token batch-tier prompts, then one short interactive chat: EDF order,
     small prefill batches and fleet-level preemption let the chat go first."""
+    import json
     import threading
     import time
+
+    import redis
+
+    from skyline.core.keys import Keys
+
+    r, keys = redis.Redis.from_url(redis_url), Keys(fleet.key_prefix)
+    rag_stream = keys.stream("prefill", "batch")
+    queued_before = r.xlen(rag_stream)
+
+    def burst_queued_and_computing() -> bool:
+        """All six RAG prompts are on the prefill stream, and the prefill engine computes one of them."""
+        if r.xlen(rag_stream) - queued_before < 6:
+            return False
+        rids = [f[b"id"].decode() for _, f in r.xrevrange(rag_stream, count=6)]
+        events = [json.loads(e)["event"] for rid in rids for e in r.lrange(keys.timeline(rid), 0, -1)]
+        return "prefill_started" in events
 
     rag_prompt = PASSAGE * 50 + "\nSummarize the passage in one sentence."  # ~1,500 tokens
     ttfts: dict[str, float] = {}
@@ -216,7 +233,7 @@ def test_interactive_request_overtakes_queued_rag_prompts(client):
     threads = [threading.Thread(target=send, args=(f"rag-{i}", rag_prompt, "batch", 8)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # the RAG burst is queued and the prefill engine is busy with it
+    wait_until(burst_queued_and_computing, 60, "the RAG burst queued, the prefill engine computing it")
     send("chat", "What is the capital of France?", "interactive", 8)
     for t in threads:
         t.join(timeout=300)
@@ -224,6 +241,7 @@ def test_interactive_request_overtakes_queued_rag_prompts(client):
     print(f"interactive TTFT {ttfts['chat']:.2f} s; RAG TTFTs {[round(x, 1) for x in rag]}")
     assert len(rag) == 6, "every RAG prompt must still complete"
     assert ttfts["chat"] < rag[len(rag) // 2], "the interactive request should not wait behind the RAG burst"
+    r.close()
 
 
 async def test_a_kv_pull_that_fails_is_computed_on_the_decode_worker(fleet, client, redis_url):
@@ -406,25 +424,46 @@ def test_the_next_turn_is_served_where_the_first_was_cached_on_real_engines(flee
     """Two decode engines: each conversation's later turns go to the engine that computed its first
     (vLLM's own KV cache events say what it holds), and report cached prompt tokens; a gateway with
     prefix affinity off places nothing."""
+    import json
+    import urllib.request
+
     import redis
 
     from skyline.core.keys import Keys
     from skyline.core.net import free_port
+    from skyline.scheduler.prefix import block_chain
 
     _second_decode_worker(fleet)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(fleet.key_prefix)
     assert {int(r.hget(keys.worker(w), "cache_block_size")) for w in ("decode-0", "decode-1")} == {128}
+
+    def view_holds(worker: str, prompt: str) -> bool:
+        """Whether `worker`'s cache view (in Redis, what the gateway places by) holds every full block of
+        `prompt`, tokenized as the gateway does (its /tokenize)."""
+        req = urllib.request.Request(f"{fleet.url}/tokenize", json.dumps({"model": MODEL, "prompt": prompt}).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            chain = block_chain(json.loads(resp.read())["tokens"], 128, 10_000)
+        return bool(chain) and None not in r.zmscore(keys.kv_cache(worker), chain)
+
     convs = {c: f"Conversation {c}. {_DOC}" for c in range(3)}
     first: dict[int, str] = {}
+    prompts: dict[int, str] = {}  # the last prompt of each conversation
     for c in convs:
-        convs[c], ext = _converse(client, convs[c], f"\nQ{c}: Who climbs the stairs?\nA:")
+        question = f"\nQ{c}: Who climbs the stairs?\nA:"
+        prompts[c] = convs[c] + question
+        convs[c], ext = _converse(client, convs[c], question)
         first[c] = ext["decode_worker"]
     for turn in range(2):
-        time.sleep(0.3)  # the views catch up (every 50 ms), as between a user's turns
+        # As between a user's turns, the views catch up: a worker mirrors its engine's cache events every 50 ms.
+        wait_until(lambda: all(view_holds(first[c], prompts[c]) for c in convs), 10,
+                   lambda: "each conversation's last prompt in its engine's cache view (missing for "
+                           f"{[c for c in convs if not view_holds(first[c], prompts[c])]})")
         for c in convs:
-            history = convs[c]
-            convs[c], ext = _converse(client, history, f"\nQ{c}.{turn}: What does the keeper watch?\nA:")
+            history, question = convs[c], f"\nQ{c}.{turn}: What does the keeper watch?\nA:"
+            prompts[c] = history + question
+            convs[c], ext = _converse(client, history, question)
             assert ext["placement"] and ext["placement"]["worker"] == first[c], ext
             assert ext["decode_worker"] == first[c]
             assert ext["kv_transfer"]["num_cached_tokens"] >= 256, ext["kv_transfer"]  # whole 128-token blocks

@@ -21,6 +21,7 @@ import redis
 
 from skyline.core.keys import Keys
 from tests.fleet import Fleet
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -131,8 +132,14 @@ def test_decode_worker_killed_mid_stream_migrates_without_gap_or_duplicate(make_
         t0 = time.monotonic()
         text, ext, gap = stream_text(client, 60, on_chunk=kill_holder)
         elapsed = time.monotonic() - t0
-        time.sleep(0.3)  # timeline writes are batched every few ms
-        timeline = httpx.get(f"{fleet.url}/v1/requests/{ext['request_id']}/timeline", timeout=5).json()
+
+        def written_to_the_end() -> dict | None:
+            """The request's timeline, once it has the last event of each process that writes it (each
+            batches its writes every few ms): the decode worker's `finished`, the gateway's `responded`."""
+            got = httpx.get(f"{fleet.url}/v1/requests/{ext['request_id']}/timeline", timeout=5).json()
+            return got if {"finished", "responded"} <= {e["event"] for e in got["events"]} else None
+
+        timeline = wait_until(written_to_the_end, 10, "the timeline's `finished` and `responded` events")
 
     assert killed, "the stream ended before the kill"
     assert text == want  # every token once, in order
@@ -264,15 +271,18 @@ def test_sigterm_hands_back_what_does_not_finish_in_time(make_fleet, r, key_pref
     with make_fleet(workers) as fleet:
         client = fleet.client(timeout_s=60)
         want = reference(client, 100)
-        stopped = []
+        stopped, stopper = [], []
 
         def stop_holder(i: int) -> None:
             if i == 10 and not stopped:
                 stopped.append(holder(r, keys, "decode"))
-                threading.Thread(target=lambda: stopped.append(fleet.stop(stopped[0], signal.SIGTERM))).start()
+                stopper.append(threading.Thread(target=lambda: stopped.append(fleet.stop(stopped[0], signal.SIGTERM))))
+                stopper[0].start()
 
         text, ext, gap = stream_text(client, 100, on_chunk=stop_holder)
-        time.sleep(0.5)
+        assert stopper, "the stream ended before the stop"
+        stopper[0].join(timeout=35)  # fleet.stop waits 30 s for the exit, then kills
+        assert not stopper[0].is_alive(), f"{stopped[0]} did not exit after its SIGTERM"
     assert text == want
     assert ext["decode_worker"] != stopped[0] and ext["decode_attempts"] == 2
     assert stopped[1] == 0  # clean exit

@@ -5,8 +5,10 @@ gone, within the bound."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
+import urllib.request
 
 import openai
 import redis
@@ -28,6 +30,7 @@ from skyline.scheduler.prefix import (
     wait_bound_ms,
 )
 from tests.fleet import Fleet
+from tests.procs import wait_until
 
 
 def test_the_chain_keys_each_block_by_everything_before_it():
@@ -191,6 +194,22 @@ def _turns(client, history: str, question: str, max_tokens: int = 24):
     return prompt + r.choices[0].text, r.model_extra["skyline"]
 
 
+def _view_holds(r: redis.Redis, keys: Keys, worker: str, history: str) -> bool:
+    """Whether `worker`'s cache view (in Redis, what the gateway places by) holds every full block of
+    `history`, a prompt and its answer (the sim's tokens are the text's bytes; its engine stores both)."""
+    block_size = int(r.hget(keys.worker(worker), "cache_block_size") or 0)
+    chain = block_chain(list(history.encode()), block_size, 1_000_000) if block_size else []
+    return bool(chain) and None not in r.zmscore(keys.kv_cache(worker), chain)
+
+
+def _views_catch_up(r: redis.Redis, keys: Keys, held: list[tuple[str, str]]) -> None:
+    """Until each worker's cache view holds its histories (`held`: (worker, history) pairs): workers
+    mirror their engines' cache events every 50 ms."""
+    wait_until(lambda: all(_view_holds(r, keys, w, h) for w, h in held), 10,
+               lambda: "the workers' cache views to hold their conversations' histories (missing on "
+                       f"{sorted(w for w, h in held if not _view_holds(r, keys, w, h))})")
+
+
 def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis_url, key_prefix, tmp_path):
     (tmp_path / "cfg.toml").write_text('[gateway]\nmode = "colocated"\n')
     fleet = Fleet(redis_url, key_prefix, "sim", tmp_path, extra=["--config", str(tmp_path / "cfg.toml")])
@@ -211,7 +230,8 @@ def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis
                 convs[c], ext = f.result()
                 served[c].append(ext["decode_worker"])
         for turn in range(1, 3):
-            time.sleep(0.3)  # the users read the answers (and the workers' views catch up: every 50 ms)
+            # While the users read the answers, the workers' views catch up.
+            _views_catch_up(r, keys, [(served[c][0], convs[c]) for c in convs])
             for c in convs:
                 before = len(convs[c])
                 convs[c], ext = _turns(client, convs[c], f"\nUser: question {turn} of {c}?\nAssistant:")
@@ -257,7 +277,15 @@ def test_the_gateway_bounds_a_placement_by_what_moving_it_would_cost_at_the_meas
         client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
         history, first = _turns(client, "A conversation about tides and the moon that pulls them. " * 6,
                                 "\nUser: why two a day?\nAssistant:", max_tokens=8)
-        time.sleep(2.5)  # a heartbeat carries the holder's measured rate (every second)
+
+        def gateway_sees_a_rate() -> float:
+            """The holder's measured prefill rate in the gateway's view of the fleet (its /dashboard/data):
+            a heartbeat carries it (every second), the gateway reads heartbeats every 0.5 s."""
+            with urllib.request.urlopen(f"{fleet.url}/dashboard/data", timeout=5) as resp:
+                workers = json.loads(resp.read())["workers"]
+            return sum(w["tokens_per_s"] for w in workers if w["worker_id"] == first["decode_worker"])
+
+        wait_until(gateway_sees_a_rate, 10, f"the gateway to see {first['decode_worker']}'s measured prefill rate")
         sent_ms = time.time() * 1000
         _, ext = _turns(client, history, "\nUser: and spring tides?\nAssistant:", max_tokens=8)
         placed = ext["placement"]
@@ -282,11 +310,12 @@ def test_a_turn_whose_decode_worker_holds_its_history_skips_the_prefill_pool(red
         history = "A long shared document about lighthouses and the keepers who tend them. " * 5
         history, first = _turns(client, history, "\nUser: who tends them?\nAssistant:")
         assert first["route"] == "disagg" and first["prefill_worker"] == "prefill-1"
-        time.sleep(0.3)
+        _views_catch_up(r, keys, [(first["decode_worker"], history)])  # it pulled the KV, then stored the answer's
         _, second = _turns(client, history, "\nUser: and at night?\nAssistant:")
         assert second["route"] == "colocated", second  # ~30 new tokens: under the 64 of the threshold
         assert second["kv_transfer"]["num_cached_tokens"] >= (len(history) // 16 - 1) * 16, second["kv_transfer"]
         _, fresh = _turns(client, "An unrelated question, long enough to be worth a prefill worker. " * 3, "?")
         assert fresh["route"] == "disagg"
-        time.sleep(0.5)
+        wait_until(lambda: all(int(v) == 0 for v in r.hgetall(keys.backlog).values()), 10,
+                   lambda: f"the workers to take off the backlog admission reserved: {r.hgetall(keys.backlog)}")
         assert all(int(v) == 0 for v in r.hgetall(keys.backlog).values()), r.hgetall(keys.backlog)

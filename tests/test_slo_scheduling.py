@@ -10,6 +10,7 @@ from skyline.core import messages as m
 from skyline.core.keys import Keys
 from skyline.core.streams import enqueue, now_ms
 from tests.inprocess import start_fleet, stop_fleet
+from tests.procs import await_until
 
 # 1 ms per prompt token: a 1,500-token "RAG" prompt takes 1.5 s to prefill, in 256-token chunks.
 SLOW_PREFILL = SimTiming(prefill_base_s=0.0, prefill_per_token_s=0.001, decode_base_s=0.005, decode_per_seq_s=0.0,
@@ -63,7 +64,11 @@ async def test_interactive_request_overtakes_a_burst_of_long_batch_prompts(redis
         watches = {r.request_id: await watch(client, keys, r.request_id) for r in rag}
         for r in rag:
             await enqueue(client, keys, "prefill", r, 1000)
-        await asyncio.sleep(0.3)  # the prefill worker is now busy with RAG prompts
+        # The prefill worker computes RAG prompts up to its prompt-token budget (two of 1,500: it claims
+        # the second after its claim deferral), so it has no room left when the chat arrives.
+        prefill_rt = runtimes[0]
+        await await_until(lambda: prefill_rt.held.prompt_tokens >= cfg.worker.prefill_token_budget, 10,
+                          "the prefill worker to fill its prompt-token budget with RAG prompts")
         chat = make_request(cfg, "chat", "interactive", 30)
         w_chat = await watch(client, keys, "chat")
         await enqueue(client, keys, "prefill", chat, 1000)
@@ -119,7 +124,10 @@ async def test_colocated_decode_worker_preempts_its_own_long_prompts(redis_url, 
         watches = {r.request_id: await watch(client, keys, r.request_id) for r in rag}
         for r in rag:
             await enqueue(client, keys, "decode", m.DecodeWork(r), 1000)
-        await asyncio.sleep(0.3)  # the decode worker is now computing RAG prompts
+        # The decode worker computes RAG prompts itself: all of them, or (three) up to its prompt-token budget.
+        computing = min(rag_prompts * 1500, cfg.worker.prefill_token_budget)
+        await await_until(lambda: decode_rt.held.computing_tokens() >= computing, 10,
+                          f"the decode worker to prefill RAG prompts of {computing}+ tokens itself")
         assert decode_rt.held.computing_tokens(), "the decode worker should be prefilling RAG prompts itself"
         chat = make_request(cfg, "chat", "interactive", 30)
         w_chat = await watch(client, keys, "chat")
@@ -159,7 +167,8 @@ async def test_a_preempted_prompt_claimed_again_can_be_preempted_again(redis_url
         rag = make_request(cfg, "rag", "standard", 1500)
         w_rag = await watch(client, keys, "rag")
         await enqueue(client, keys, "decode", m.DecodeWork(rag), 1000)
-        await asyncio.sleep(0.3)
+        await await_until(lambda: decode_rt.held.phase_of("rag") is Phase.COMPUTING, 10,
+                          "the decode worker to compute the RAG prompt")
         chats = []
         for name in ("chat-a", "chat-b"):
             chat = make_request(cfg, name, "interactive", 30)

@@ -121,7 +121,8 @@ def test_the_reader_drains_the_publishers_socket_without_blocking():
 
     endpoint = ipc_endpoint()
     reader = KvEventReader(endpoint, block_size=BS)
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    # XPUB: on the wire a PUB socket, as vLLM's publisher is, that also reads its subscribers' subscriptions.
+    pub = zmq.Context.instance().socket(zmq.XPUB)
     pub.bind(endpoint)
     encode = msgspec.msgpack.Encoder().encode
 
@@ -130,9 +131,12 @@ def test_the_reader_drains_the_publishers_socket_without_blocking():
 
     try:
         assert reader.poll() is None
-        time.sleep(0.3)  # the subscription reaches the publisher
+        assert pub.poll(10_000, zmq.POLLIN), "the reader's subscription never reached the publisher"
+        assert pub.recv() == b"\x01"  # subscribed to every topic
         publish(0, stored([11, 12], None, TOKENS[:8]))
         publish(1, stored([13], 12, TOKENS[8:12]), removed([11]))
+        # Not an event the test can see: that both batches wait in the reader's socket is known only by
+        # draining it, which is the call under test (its answer, one netted delta, needs both there).
         time.sleep(0.3)
         assert reader.poll() == CacheDelta(stored=CHAIN[1:3])  # both batches, in one delta
         assert reader.poll() is None

@@ -5,7 +5,6 @@ channel, enqueue on a tier stream, read the frames.
 """
 
 import asyncio
-import contextlib
 
 import pytest
 
@@ -14,6 +13,7 @@ from skyline.core.keys import Keys
 from skyline.core.streams import enqueue, now_ms
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet
+from tests.procs import await_until
 
 FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.001, decode_per_seq_s=0.0)
 
@@ -91,9 +91,15 @@ async def test_workers_heartbeat_their_role(fleet):
     from skyline.core.fleet import list_workers
 
     cfg, client, _ = fleet
-    await asyncio.sleep(0.3)
-    roles = {w.worker_id: w.role for w in await list_workers(client, Keys(cfg.key_prefix), liveness_s=2)}
-    assert roles == {"prefill-test": "prefill", "decode-test": "decode"}
+
+    async def roles() -> dict[str, str]:
+        return {w.worker_id: w.role for w in await list_workers(client, Keys(cfg.key_prefix), liveness_s=2)}
+
+    async def both_beat() -> bool:
+        return len(await roles()) >= 2
+
+    await await_until(both_beat, 10, "both workers' first heartbeats")
+    assert await roles() == {"prefill-test": "prefill", "decode-test": "decode"}
 
 
 async def test_request_cancelled_while_queued_is_skipped(fleet):
@@ -103,7 +109,12 @@ async def test_request_cancelled_while_queued_is_skipped(fleet):
     pubsub = client.pubsub()
     await pubsub.subscribe(keys.tokens("r-gone"))
     await enqueue(client, keys, "prefill", gen_request("r-gone", [1, 2], 5), 1000)
-    await asyncio.sleep(0.5)
+
+    async def claimed_and_acked() -> bool:
+        g = (await client.xinfo_groups(keys.stream("prefill", "interactive")))[0]
+        return g["pending"] == 0 and g["last-delivered-id"] != b"0-0"
+
+    await await_until(claimed_and_acked, 10, "the prefill worker to claim and ack the cancelled request")
     msgs = []
     while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)) is not None:
         msgs.append(msg)
@@ -138,12 +149,14 @@ async def test_a_cancellation_dropped_on_its_way_still_stops_the_decode(fleet):
     wait_for would: the worker still stops the stream at its next chunk and acks the entry."""
     cfg, client, (_prefill_rt, decode_rt) = fleet
     keys = Keys(cfg.key_prefix)
-    real_claim, entered = decode_rt.runs.claim, asyncio.Event()
+    real_claim, entered, dropped = decode_rt.runs.claim, asyncio.Event(), asyncio.Event()
 
     async def claim_dropping_a_cancel(*args, **kwargs):
         entered.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(0.5)
+        try:
+            await asyncio.sleep(10)  # until the cancellation lands, which the test sends once it is in here
+        except asyncio.CancelledError:
+            dropped.set()
         return await real_claim(*args, **kwargs)
 
     decode_rt.runs.claim = claim_dropping_a_cancel
@@ -154,6 +167,7 @@ async def test_a_cancellation_dropped_on_its_way_still_stops_the_decode(fleet):
     await enqueue(client, keys, "prefill", req, 1000)
     await asyncio.wait_for(entered.wait(), 5)
     await client.publish(keys.cancel, m.encode(m.Cancel("r-dropped")))
+    await await_until(dropped.is_set, 5, "the cancellation to reach the decode task inside its claim")
     async with asyncio.timeout(5):
         while "r-dropped" in decode_rt.held:
             await asyncio.sleep(0.01)
