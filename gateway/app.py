@@ -74,8 +74,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        # A blocking pool: a burst of requests waits (briefly) for a connection instead of
-        # failing with "Too many connections" (seen at 128 concurrent streams).
+        # A blocking pool: a burst of requests beyond its connections waits (briefly) for one
+        # instead of failing with "Too many connections".
         r = redisconn.connect(cfg.redis, max_connections=64, blocking_timeout_s=5)
         try:
             await ensure_groups(r, keys, cfg.tier_names)
@@ -97,8 +97,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             yield
         finally:
             # Every step of the way out is bounded, as a worker's is: a gateway that hangs here is
-            # killed by whoever stops it, without a word on where (seen once in CI: `skyline up`
-            # waited 65 s for it in "Waiting for application shutdown").
+            # killed by whoever stops it, without a word on where.
             await bounded_step("the fleet view", fleet.close(), log)
             await bounded_step("the timeline", observer.close(), log)
             await bounded_step("the token relay", relay.close(), log)
