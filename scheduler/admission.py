@@ -14,10 +14,10 @@ fleet-level preemption removes it from the engine when it would make this
 request late.
 
 The prediction is then scaled by its own measured error (`TtftCalibration`):
-one pool rate cannot price every prompt length (measured on CPU: the rate is
-~800 tokens/s over a mix dominated by long prompts, while a 250-token chat
-prefills in one ~130 ms step), and an uncorrected model sheds requests that
-would have made it, or admits ones that will not.
+one pool rate cannot price every prompt length (long prompts dominate the
+rate, while a short chat prefills in one step, sooner than the rate says), and
+an uncorrected model sheds requests that would have made it, or admits ones
+that will not.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class TtftCalibration:
     model, never add refusals to it. Measured TTFTs far above the predictions
     come from causes the next request does not share as often as not (a cold
     engine's first requests, a host stall): scaled up by them, the model
-    refused six 5-token prompts against a 5 s target in the real-engine tests.
+    would refuse requests that easily make their targets.
     An optimistic model shows in the prediction-error histogram instead.
     """
 

@@ -2,9 +2,9 @@
 
 Every sequence a decode engine takes on makes each of its steps longer, and
 a prompt it computes itself (colocated route) puts prefill chunks into the
-steps of every stream it runs. The KV watermark bounds memory, not time: on
-the CPU engines a worker at 2.5 requests/s held ~20 streams at ~360 ms per
-token against a 199 ms target, and nearly every answer missed its SLO. So a
+steps of every stream it runs. The KV watermark bounds memory, not time: a
+worker holding as many streams as its cache fits can run each far slower than
+its TPOT target and miss nearly every SLO. So a
 decode worker also stops claiming while the recent time per token of its
 streams is above `headroom` x the tightest TPOT target among them. The
 backlog then waits in Redis, where admission control sees it and sheds
@@ -12,10 +12,10 @@ backlog then waits in Redis, where admission control sees it and sheds
 
 "Recent" is a 10 s window on purpose: TPOT targets bound an answer's mean
 time per token, which a prompt prefilled alongside raises only while its
-chunks run (a 1,700-token RAG prompt: ~7 steps of ~300 ms on the CPU
-engines); a short window would stop claims at every long prompt and leave
-the chats behind it waiting in the stream. Sustained overload (a batch too
-large for the targets) shows in a 10 s mean; a burst of chunks does not.
+chunks run (a few steps, even for a long RAG prompt); a short window would
+stop claims at every long prompt and leave the chats behind it waiting in the
+stream. Sustained overload (a batch too large for the targets) shows in a 10 s
+mean; a burst of chunks does not.
 """
 
 from __future__ import annotations
@@ -80,7 +80,6 @@ def tpot_room(seconds_per_token: float | None, tightest_tpot_ms: float | None, h
 def tightest_target_ms(held: Iterable[tuple[int, bool]]) -> int | None:
     """The TPOT target the pace rule holds a worker's streams to, of (tpot_ms, best_effort) per request it
     holds: the tightest of those that asked for an SLO; None when none did. A request that asked for none
-    carries its tier's TPOT only as a default: holding the engine's pace to it left prefill capacity idle
-    while prompts waited (vllm bench serve 1024/64 on the elastic fleet: streams at ~450 ms a token, the
-    standard tier's 500 ms x 0.9, and 1-2 s between prompts on each engine), where `vllm serve` takes them."""
+    carries its tier's TPOT only as a default: holding the engine's pace to it would leave prefill capacity
+    idle while prompts wait, where `vllm serve` takes them."""
     return min((tpot for tpot, best_effort in held if not best_effort), default=None)

@@ -1,12 +1,11 @@
 """Fleet-level preemption: abort a running low-tier prefill for a request that would be late.
 
-vLLM's own priority scheduling does not help a waiting high-priority prompt
-while lower-priority prompts already hold the step's token budget (measured:
-a short request behind six ~1,500-token prompts waited 8.6-9 s with
-`--scheduling-policy priority`). So the prefill worker holds few prompts at a
-time, and when the head of a stricter tier would miss its deadline waiting
-for them, the least urgent ones are aborted and re-queued with their original
-arrival times (same deadlines: EDF brings them back in turn).
+vLLM's own priority scheduling (`--scheduling-policy priority`) does not help
+a waiting high-priority prompt while lower-priority prompts already hold the
+step's token budget: it waits until they are done. So the prefill worker holds
+few prompts at a time, and when the head of a stricter tier would miss its
+deadline waiting for them, the least urgent ones are aborted and re-queued with
+their original arrival times (same deadlines: EDF brings them back in turn).
 
 Starvation is bounded twice: a request is preempted at most
 `max_preemptions` times, and its deadline keeps its place in EDF order.
@@ -58,9 +57,9 @@ def tokens_until_done(ahead: list[int], head_tokens: int, step_tokens: int = 0, 
     newcomer, each taking at most `cap` tokens while more than one is left (vLLM lifts the
     cap for a request alone). Without a cap that is all of `ahead` plus the head; with
     one the head shares the steps (e.g. 128 + 128 of a 256-token step) after the step in
-    progress, which the running prompts fill (counted as a whole one: measured on the CPU
-    engines, that wait plus two shared steps is what made chats late). `in_progress`: the
-    prompt tokens of that step when it is shorter than `step_tokens` (a background step).
+    progress, which the running prompts fill (counted as a whole one: the head joins only when
+    it ends). `in_progress`: the prompt tokens of that step when it is shorter than
+    `step_tokens` (a background step).
     """
     total = sum(ahead) + head_tokens
     if cap <= 0 or step_tokens <= 0 or not ahead:

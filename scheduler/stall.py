@@ -1,7 +1,6 @@
 """When is an engine stuck? Long enough without a step while it holds requests.
 
-A worker whose engine stops computing (seen once: vLLM's executor hung in a NIXL pull, the engine
-core logging "No available shared memory broadcast block" every minute) still heartbeats, so no
+A worker whose engine stops computing (its executor stuck in a KV transfer, say) still heartbeats, so no
 other worker takes its requests over: they wait for the gateway's first-frame timeout, and every
 request the worker claims afterwards waits with them. A healthy engine that holds requests steps
 continually (a step waiting for remote KV is a step too), so "no step for `engine_stall_s` while

@@ -3,9 +3,9 @@
 An engine takes a new request, an abort or a priority change only between
 steps, so a request of the strictest tier arriving at a busy engine first waits
 for the step in progress, however urgent it is. That step is as long as its
-tokens: measured on the 2-core CPU engines, a step holding a 224-token chunk of
-a RAG prompt took 200-280 ms, half of a 574 ms chat TTFT target, before the
-chat's own step even began (BENCHMARKS.md, "The step cap at 7/8 of the step").
+tokens: a step holding a long prompt's chunk can use up a large share of a
+chat's TTFT target before the chat's own step even begins (BENCHMARKS.md,
+"The step cap at 7/8 of the step").
 
 Two rules, one per situation:
 
@@ -13,27 +13,25 @@ Two rules, one per situation:
     a step carries at most `background` prompt tokens (of one prompt at a time)
     plus one token for each running decode, which never waits for it. The
     price: more, shorter steps for background prompts, each with the step's
-    fixed cost (~40-70 ms on the CPU engines, a few ms on a GPU); so only on an
+    fixed cost (large on CPU engines, small on a GPU); so only on an
     engine that has seen strictest-tier work in the last `URGENT_MEMORY_S`.
   - Holding: while a prompt of the strictest tier has tokens left, the looser
     prompts the engine has started sit out (they keep their KV blocks and
     their progress; nothing is recomputed) and the step carries only the
     strictest tier's prompt tokens and the decodes. vLLM itself gives each
     step to the requests it already runs before a newcomer, whatever their
-    priorities, so a chat behind a RAG prompt got the 32 tokens the RAG's
-    224-token chunk left (two or three full steps for a 60-token chat); and a
-    step longer than the chat's own tokens delays its first token, which comes
-    only at the end of the step. At most `max_held` steps in a row, then one
-    shared step: a flood of chats slows background prompts but cannot starve
-    them.
+    priorities, so a chat behind a RAG prompt gets only what the RAG's chunk
+    leaves of the step (32 tokens beside a 224-token chunk in a 256-token step:
+    two or three full steps for a 60-token chat); and a step longer than the
+    chat's own tokens delays its first token, which comes only at the end of
+    the step. At most `max_held` steps in a row, then one shared step: a flood
+    of chats slows background prompts but cannot starve them.
 
 And one for throughput: while every request in the engine asked for no SLO (best effort, as a
 `vllm serve` client) and none with targets has been in it for `URGENT_MEMORY_S`, a step takes
 `relaxed_tokens` (vLLM's own default budget) with no per-request cap. Small steps exist to bound
 what an urgent newcomer waits for and what a prompt adds to running streams' TPOT; with no target
-in sight they only pay the step's fixed cost more often (vllm bench serve, random 1024-token prompts at
-1 req/s on the two one-core elastic engines, 2026-12-05: 14% more tokens per second than with
-256-token steps, median first token in half the time).
+in sight they only pay the step's fixed cost more often.
 
 Pure: the vLLM scheduler hook (workers/engines/vllm_scheduler.py) and the
 simulator both call `next_step`.
@@ -68,8 +66,7 @@ def background_tokens(setting: int, step_tokens: int, role: str = "decode") -> i
     worker of `role`: -1 = half the step on decode workers and off on prefill workers, 0 = off.
 
     Why not on prefill workers by default: there every step is prompt work, so short steps only add
-    the step's fixed cost to background prompts (measured: a burst of six RAG prompts took ~15%
-    longer on the 1-core prefill engine), and with conditional disaggregation short interactive
+    the step's fixed cost to background prompts, and with conditional disaggregation short interactive
     prompts are computed on decode workers anyway; holding still applies there."""
     if setting < 0:
         return step_tokens // 2 if role in ("decode", "elastic") else 0  # engines that run streams

@@ -24,7 +24,7 @@ class Tier:
 
 
 # Defaults sized for the 2-core CPU reference machine and the default 135M
-# model (unloaded: TTFT ~0.1-0.4 s, TPOT ~75-150 ms). GPU fleets tighten them
+# model, with room above their unloaded TTFT and TPOT. GPU fleets tighten them
 # in config.
 DEFAULT_TIERS: tuple[Tier, ...] = (
     # A chat user who has waited 10 s for a first token has left; a batch job has not.
