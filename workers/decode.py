@@ -215,9 +215,8 @@ class DecodeHandler:
         or transfer failed, or timed out): counted and shown as a fallback, never a silent bypass.
 
         So it is when the pull completes (the first output comes) past the handle's life: the prefill
-        engine may have freed and reused the blocks while they were read (seen: a pull that hung 87 s
-        completed after the lease, the prefill engine logging "potentially invalid KV blocks ...
-        retrieved"). The output is dropped unseen and the prompt computed here."""
+        engine may have freed and reused the blocks while they were read. The output is dropped unseen
+        and the prompt computed here."""
         source.unpulled = None  # the engine owns the handle now: an abort frees the blocks through vLLM
         gen = self.port.engine.generate(ereq, source.kv_handle)
         lease_s = self.port.cfg.engine.kv_lease_s

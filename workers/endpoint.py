@@ -7,8 +7,8 @@
   GET /health   200 while the process runs
 
 Served by a thread rather than the worker's event loop: a vLLM engine blocks
-the loop for its whole start-up (~40 s on CPU, minutes for a large model on
-GPU) and the probes must still be answered then. The numbers are read from
+the loop for its whole start-up (minutes for a large model) and the probes
+must still be answered then. The numbers are read from
 the runtime's heartbeat snapshot (`runtime.info`, refreshed every
 `heartbeat_s`) and its counters; plain reads of ints and floats, no locking.
 """

@@ -117,7 +117,7 @@ class HeldRequest:
 
         Python 3.11's asyncio.wait_for, which redis-py awaits inside its commands, drops a
         cancellation that lands just as the awaited call completes (fixed in 3.12): the task runs on
-        as if nothing happened (seen: a cancelled decode kept streaming). A handler's loop checks
+        as if nothing happened (a cancelled decode keeps streaming). A handler's loop checks
         this at every step and raises CancelledError itself; cancelling the task again instead could
         land in the middle of its own clean-up (a requeue) and break it."""
         return self.leaving is not None and not self.cancel_delivered

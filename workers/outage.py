@@ -1,7 +1,7 @@
 """Riding out a Redis outage: retry a write for a bounded time instead of failing the request.
 
-A Redis restart (or failover, or a dropped connection) used to fail every
-request a worker held at its next Redis call. With persistence on, the
+Unretried, a Redis restart (or failover, or a dropped connection) fails every
+request a worker holds at its next Redis call. With persistence on, the
 request's state survives the restart, so the worker only has to wait for
 Redis and carry on. The calls retried here are safe to repeat: frames are
 applied once by their number, the hand-off once per request, an ack or a
