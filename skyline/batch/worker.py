@@ -43,11 +43,9 @@ log = logging.getLogger("skyline.batch")
 
 # RQ stops an idle worker by raising from its signal handler, wherever the main thread is: raised
 # inside redis-py's connection-pool lock, it leaves the lock held and the shutdown that follows
-# (register_death) waits on it for ever (reproduced: 1 of ~10 launcher kills under load left the
-# runner with every thread in a futex wait; CI saw it outlive its launcher). Its shutdown also writes
-# to Redis through a client without a socket timeout, which a stopped Redis never answers. Past this
-# grace the runner exits without RQ's bookkeeping; a batch it was running is then abandoned and
-# retried after its lease, as after kill -9.
+# (register_death) waits on it for ever. Its shutdown also writes to Redis through a client without
+# a socket timeout, which a stopped Redis never answers. Past this grace the runner exits without RQ's
+# bookkeeping; a batch it was running is then abandoned and retried after its lease, as after kill -9.
 STOP_GRACE_S = 10.0
 
 

@@ -5,9 +5,9 @@ path of every request. Awaiting a round trip per event would add latency to
 the request; dropping the write on a Redis error must never fail it. So
 callers `add()` a function that queues commands on a pipeline; a background
 flush sends everything added within `FLUSH_DELAY_S` in one round trip. The
-short delay keeps the send off the moment a request moves on (measured with
-`skyline bench overhead`: flushing at once, in the same loop turn, cost the
-sequential TTFT ~2.5 ms) and lets one flush carry the events of many requests.
+short delay keeps the send off the moment a request moves on (a flush in the
+same loop turn delays the request, its first token included) and lets one
+flush carry the events of many requests.
 `flush()` waits for what was added so far (tests, shutdown). Errors are
 logged (at most once per `LOG_EVERY_S`) and counted: `errors` (failed
 flushes) and `dropped` (writes lost; an op may count several).
