@@ -92,8 +92,8 @@ def core_binds(n_prefill: int, n_decode: int, cores: list[int]) -> list[str]:
     """The cores of each engine (prefill engines first): a lone engine gets every core; one core
     each while there are enough; with more engines than cores, each pool shares its own cores (in
     proportion to its engines) and no decode engine is put on a prefill engine's core: there, a
-    decode engine's first KV pull from that prefill engine hung for 87 s, both executors stalled
-    until the prefill engine's lease of the blocks ran out (3 of 3 times on 2 cores, 2026-12-03)."""
+    decode engine's first KV pull from that prefill engine stalls both executors until the prefill
+    engine's lease of the blocks runs out."""
     n = n_prefill + n_decode
     if n == 1:
         return [f"{cores[0]}-{cores[-1]}"]

@@ -2,8 +2,8 @@
 
 The situation of the SLO issue: six ~1,500-token `batch`-tier prompts arrive,
 then, one second later, a short `interactive` chat. On plain vLLM the chat
-waits for the prompts ahead of it (21.5 s FCFS, ~9 s with priority scheduling,
-measured on this machine). This runs it on a Skyline fleet of real vLLM
+waits for the prompts ahead of it, FCFS and with priority scheduling alike
+(BENCHMARKS.md has the figures). This runs it on a Skyline fleet of real vLLM
 engines (prefill on the first core, decode on the last) and prints the chat's
 TTFT and the RAG prompts' TTFTs per trial. Each trial's RAG prompts are unique
 (no prefix-cache hits between them or across trials). `--fleet elastic` runs the

@@ -53,7 +53,7 @@ def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[SimFleet, str]:
     fleet.start_worker("prefill-0", "prefill")
     fleet.start_worker("decode-0", "decode", "--max-running", "256")
     try:
-        # The gateway imports vLLM's serving layer at start (~10 s on a cold cache of this machine).
+        # The gateway imports vLLM's serving layer at start, slowly on a cold file cache.
         fleet.wait_ready({"prefill": 1, "decode": 1}, timeout_s=180)
     except BaseException:
         fleet.stop()  # nothing left running when the fleet never came up

@@ -283,8 +283,8 @@ class Bench:
 
     def profile_engine(self) -> dict:
         """Profile the engine right after the systems ran, on the same host: the simulator replays a run
-        within its calibration bounds only on a profile of the same hour (docs/simulator.md: one from
-        another day was 11-62% off on p50 TTFT, the machine's speed drifting by ~20%)."""
+        within its calibration bounds only on a profile of the same hour (the machine's speed drifts
+        over hours: docs/simulator.md)."""
         path, log = self.out / "engine-profile.json", self.out / "logs" / "engine-profile.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print("[engine-profile] profiling the engine (~2 min) ...", flush=True)

@@ -1,9 +1,9 @@
 """`skyline bench vllm-client`: vLLM's own load generator against each system, in one run.
 
-Issue 21 measured the default fleet with `vllm bench serve` (random 128-token prompts, 32 output
-tokens, 24 prompts at 2 req/s) and found it behind plain vLLM on the same cores; its goal is a
-run of that same client in which the fleet serves every request vLLM serves, with TTFT p50 and p99
-no worse than vLLM's and output tok/s at least 0.95x vLLM's. This runs exactly that: for each
+Issue 21's goal is a run of `vllm bench serve` (random 128-token prompts, 32 output tokens, 24
+prompts at 2 req/s) in which the default fleet serves every request plain vLLM serves on the same
+cores, with TTFT p50 and p99 no worse than vLLM's and output tok/s at least 0.95x vLLM's. This
+runs exactly that: for each
 system of `--systems` (started by `systems.py`, one after the other, on the same cores), vLLM's
 client as a subprocess with the same seed (same prompts, same arrival times), then its result file
 read into one summary per system, the goals judged against the first system, and a report.

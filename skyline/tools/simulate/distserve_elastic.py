@@ -28,8 +28,8 @@ from skyline.tools.simulate.fleet import FleetSpec
 from skyline.tools.simulate.roofline import roofline
 
 PER_GPU_RATES = tuple(round(0.5 * 1.3 ** i, 3) for i in range(13))  # 0.5 to 11.6 req/s per GPU
-# A sweep stops at its first rate under the 90% goal: at 512 GPUs every rate costs ~10 s of wall per
-# 1,000 req/s, and the rates past the knee add nothing to the goodput.
+# A sweep stops at its first rate under the 90% goal: at 512 GPUs every rate costs wall time in
+# proportion to its requests, and the rates past the knee add nothing to the goodput.
 STOP_BELOW = 0.9
 
 

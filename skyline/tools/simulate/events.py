@@ -15,8 +15,8 @@ next completion moved) ignores the callbacks it superseded.
 
 The heap is `heapq`'s in Python. Compiled (skyline/tools/simulate/native.py), the module uses its
 own push and pop over the same entries: they compare the time and sequence number as machine
-numbers, where `heapq` compares two tuples through Python's generic comparison (~15% of the compiled
-loop). Keys are unique, so both heaps pop the same events in the same order.
+numbers, where `heapq` compares two tuples through Python's generic comparison. Keys are unique,
+so both heaps pop the same events in the same order.
 """
 
 from __future__ import annotations

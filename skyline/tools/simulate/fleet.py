@@ -35,8 +35,8 @@ after its answer ended (`SimRequest.next_turn`), as the bench's driver does.
 
 Not modelled: Redis and network failures, cancellation by clients, the
 worker's stream reclaim (XAUTOCLAIM), heartbeat loss. The fleet's own hops
-(gateway, Redis, pub/sub: 4 ms measured by `skyline bench overhead`) are added
-to every token time as one constant.
+(gateway, Redis, pub/sub: `FLEET_OVERHEAD_S`, from `skyline bench overhead`)
+are added to every token time as one constant.
 """
 
 from __future__ import annotations

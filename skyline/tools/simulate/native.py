@@ -1,4 +1,4 @@
-"""The simulator's hot modules compiled with mypyc: the same source, ~3.5x faster event loop.
+"""The simulator's hot modules compiled with mypyc: the same source, a faster event loop (docs/simulator.md).
 
 A simulated hour of a 512-GPU fleet is ~16 M events, each a few dozen Python calls spread over the
 simulated workers, queues and the policy code of `skyline.scheduler`; no single hot spot is left to

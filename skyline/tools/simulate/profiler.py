@@ -163,7 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no NIXL connector (how colocated engines run); default: loaded, as on prefill/decode workers")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--kv-latency-ms", type=float, default=0.0, help="KV transfer: fixed cost per pull (not measured)")
-    # ~12 ms for ~8.4 MB between two CPU vLLM engines over NIXL (measured by hand, see docs/request-flow.md "Where the time goes").
+    # The bandwidth of a hand measurement between two CPU vLLM engines over NIXL (docs/request-flow.md,
+    # "Where the time goes").
     p.add_argument("--kv-bytes-per-s", type=float, default=7.0e8, help="KV transfer bandwidth (not measured)")
     p.add_argument("--kv-source", default="hand measurement: ~12 ms for ~8.4 MB between two CPU engines over NIXL",
                    help="where the KV transfer figures come from (recorded in the profile)")

@@ -47,7 +47,7 @@ def no_cyclic_gc():
 
     A simulated hour holds millions of request objects; every full collection
     walks all of them and finds nothing (requests, events and batch members
-    form no reference cycles), which cost ~15% of a large run here.
+    form no reference cycles).
     """
     was = gc.isenabled()
     gc.disable()
@@ -180,7 +180,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
         requests_of = lambda rate: synthetic(spec, rate, requests_for(rate, p["duration"], args.num_requests),
                                              targets.for_class, args.lengths)
     # The cycle collector is off to the end, report included: re-enabled, the report's allocations
-    # made it walk the millions of requests still held (~7 s of a simulated hour).
+    # would make it walk the millions of requests still held.
     with no_cyclic_gc():
         started = datetime.now(UTC).isoformat(timespec="seconds")
         runs, records, sim_info = [], [], {}
@@ -194,7 +194,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
                 t2 = time.perf_counter()
                 runs.append({"system": system.name, "rate": rate, "summary": summary})
                 keep = reqs if len(reqs) <= MAX_JSON_RECORDS else reqs[:: math.ceil(len(reqs) / MAX_JSON_RECORDS)]
-                records.extend(dict(vars(r.to_record(system.name, rate))) for r in keep)  # asdict's deep copy: 10x slower
+                records.extend(dict(vars(r.to_record(system.name, rate))) for r in keep)  # asdict: a slow deep copy
                 summary["sim"].update(generate_s=round(t1 - t0, 3), summarize_s=round(t2 - t1 - wall, 3))
                 print(f"[{system.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, {summary['rejected']} "
                       f"rejected, attainment {summary['attainment']:.0%}, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "
@@ -216,7 +216,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
         print(f"written in {time.perf_counter() - t0:.2f} s; {time.perf_counter() - t_all:.2f} s in all", flush=True)
         if getattr(args, "exit_when_done", False):
             # Everything is written and closed. Freeing a big run's millions of request objects
-            # one by one took ~3.5 s of a simulated 512-GPU hour: a command of its own exits now.
+            # one by one is slow and changes nothing: a command of its own exits now.
             sys.stderr.flush()
             os._exit(0)
 

@@ -1,8 +1,8 @@
 """`skyline.tools.bench.metrics.summarize`, computed with numpy for runs of millions of simulated requests.
 
 The bench's summary makes a dozen Python passes over its records and sorts
-Python lists for every percentile: ~13 s for a simulated hour at 1,000
-req/s. This one reads each attribute with C-level iteration (map +
+Python lists for every percentile: slow for the millions of requests of a
+simulated hour. This one reads each attribute with C-level iteration (map +
 attrgetter, no Python frame per request) and does the rest on arrays. The definitions are the bench's, and
 `tests/test_simulate_calibration.py` checks that both give the same summary; the
 simulator uses this one only above `FAST_ABOVE` requests, so small runs go

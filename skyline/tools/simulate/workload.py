@@ -59,7 +59,7 @@ def synthetic(spec: WorkloadSpec, rate: float, n: int, targets, lengths: str = "
     if n <= EXACT_ARRIVALS:
         times = arrival_offsets(n, rate, random.Random(f"{spec.seed}:arrivals:{rate:g}"), spec.arrival,
                                 spec.burstiness)
-    else:  # the same process from numpy's generator: a 3.6 M-request hour in a second instead of ten
+    else:  # the same process from numpy's generator, drawn as arrays: millions of draws one by one are slow
         arrival_offsets(1, rate, random.Random(0), spec.arrival, spec.burstiness)  # validates the arguments
         shape = 1.0 if spec.arrival == "poisson" else spec.burstiness
         gaps = np.random.default_rng([spec.seed, 11, round(rate * 1000)]).gamma(shape, 1.0 / (rate * shape), n)
@@ -109,9 +109,9 @@ def load_trace(path: str | Path, system: str | None = None, cache_hits: bool = F
 
     `cache_hits`: each request's engine skips the prompt tokens it found in
     its prefix cache when measured (`measured_cache_hit`). Off by default: on
-    this machine's CPU fleets the simulator's other omission, the host's load
-    on the engines' steps, about cancels it, and the calibration was made
-    without it (docs/simulator.md).
+    the CPU fleets the simulator is calibrated against, its other omission,
+    the host's load on the engines' steps, about cancels it, and the
+    calibration was made without it (docs/simulator.md).
 
     `block_size` (the engines' KV block): a multi-turn run's requests get their prefix identity
     (`sessions.attach_chains`: system prompt, history, documents), so simulated prefix caches and
