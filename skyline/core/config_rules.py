@@ -26,7 +26,16 @@ def check(cfg: Any) -> None:
 
 
 def _at(section: str, key: str, value: Any) -> str:
-    return f"[{section}] {key} = {value!r}"
+    return f"{_key(section, key)} = {value!r}"
+
+
+def _key(section: str, key: str) -> str:
+    """A key as the user writes it: EngineConfig's vLLM arguments under vLLM's name, in [engine.vllm]."""
+    from skyline.core.engine_args import RENAMED, flag
+
+    if section == "engine" and key in RENAMED:
+        return f"[engine.vllm] {flag(RENAMED[key])[2:]}"
+    return f"[{section}] {key}"
 
 
 # -- types ------------------------------------------------------------------------------------
@@ -263,6 +272,6 @@ def _cross(cfg: Any) -> list[str]:
     e = cfg.engine
     if e.max_num_batched_tokens:
         rule(e.prefill_cap() <= e.max_num_batched_tokens,
-             f"[engine] long_prefill_token_threshold = {e.long_prefill_token_threshold} must be at most "
-             f"max_num_batched_tokens = {e.max_num_batched_tokens}")
+             f"{_at('engine', 'long_prefill_token_threshold', e.long_prefill_token_threshold)} must be at most "
+             f"{_at('engine', 'max_num_batched_tokens', e.max_num_batched_tokens)}")
     return out

@@ -150,16 +150,28 @@ def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children:
 
 
 def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
-    out = ["--redis-url", cfg.redis.url, "--engine", cfg.engine.kind, "--key-prefix", cfg.key_prefix,
-           "--max-model-len", str(cfg.engine.max_model_len)]
-    if cfg.engine.kind == "vllm":
-        out += ["--model", cfg.engine.model]
-    if cfg.engine.served_model_name:
-        out += ["--served-model-name", cfg.engine.served_model_name]
+    out = ["--redis-url", cfg.redis.url, "--engine", cfg.engine.kind, "--key-prefix", cfg.key_prefix]
     if args.config:
         out += ["--config", args.config]
     out += ["--log-format", cfg.observability.log_format]
     return out
+
+
+def _model_args(cfg: SkylineConfig) -> list[str]:
+    """The model, its name and context length for the gateway and the batch runner (the workers read them
+    from the engine arguments, `engine_argv`, and the config file, as `up` did)."""
+    out = ["--max-model-len", str(cfg.engine.max_model_len)]
+    if cfg.engine.kind == "vllm":
+        out += ["--model", cfg.engine.model]
+    if cfg.engine.served_model_name:
+        out += ["--served-model-name", cfg.engine.served_model_name]
+    return out
+
+
+def engine_argv(cfg: SkylineConfig, role: str) -> list[str]:
+    """The vLLM engine arguments `up` got on its command line for a worker of `role`: those for every engine,
+    then its role's (`--<role>-engine-args`); the worker reads the config file's [engine.vllm] tables itself."""
+    return [*cfg.engine.vllm.argv, *cfg.engine.vllm.role_argv.get(role, ())]
 
 
 class StartupFailed(Exception):
@@ -325,17 +337,17 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         seen = Seen()  # the warnings already shown, fleet-wide
         spawn = lambda name, role, argv: _spawn(name, role, argv, env, children, logs,  # noqa: E731
                                                 console, fleet_up, verbose, seen)
-        gw = ["gateway", *common, "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
+        gw = ["gateway", *common, *_model_args(cfg), "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
               *_openai_surface_args(cfg)]
         t0 = time.monotonic()
         spawn("gateway", "gateway", gw)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, args.elastic)
         for name, extra in plan:
-            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:]])
+            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:], *engine_argv(cfg, extra[0])])
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         # One batch runner (an RQ worker) runs batch jobs through this gateway (docs/batch.md).
         runner = f"batch-runner-{socket.gethostname()}-{os.getpid()}"
-        spawn("batch", "batch", ["batch-runner", *common, "--gateway-url", url, "--name", runner])
+        spawn("batch", "batch", ["batch-runner", *common, *_model_args(cfg), "--gateway-url", url, "--name", runner])
         try:
             _wait_ready(url, children, _rq_registered(cfg, runner), console, logs, timeout_s=600)
         except StartupFailed as exc:

@@ -95,8 +95,13 @@ class VllmEngine(Engine):
         enforce_eager: bool | None = None,
         engine_nice: int = 0,
         cache_events: bool = True,
+        engine_args: dict[str, Any] | None = None,
     ):
         self.model = model
+        # The user's vLLM engine arguments ({dest: value}, parsed by vLLM's parser: skyline/core/engine_args.py):
+        # every one reaches the engine; where one is also a default here (eager, KV cache size, chunked
+        # prefill), the user's wins; what Skyline controls was refused at start (engine_args.refusals).
+        self.engine_args = dict(engine_args or {})
         self.engine_nice = engine_nice
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -129,7 +134,9 @@ class VllmEngine(Engine):
         self.enforce_eager = enforce_eager
         # Publish the prefix cache's events (vllm_kv_events.py) so the gateway can place requests
         # by prefix: one ZMQ message per step that changed the cache, from the engine core's own thread.
-        self.cache_events = cache_events
+        # An engine without a prefix cache (--no-enable-prefix-caching) has no cache events: this worker
+        # reports no cache, and the gateway places none of its requests by prefix.
+        self.cache_events = cache_events and self.engine_args.get("enable_prefix_caching") is not False
         self._kv_events: vllm_kv_events.KvEventReader | None = None
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._in_flight: set[str] = set()
@@ -177,7 +184,8 @@ class VllmEngine(Engine):
     def _engine_args(self) -> Any:
         import torch
         from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from skyline.core import engine_args
 
         kv_cfg = None
         if self.kv_transfer:
@@ -197,13 +205,15 @@ class VllmEngine(Engine):
             kv_transfer_config=kv_cfg,
             disable_log_stats=False,  # scheduler stats feed stats()
             enable_logging_iteration_details=True,  # each step's tokens and time feed on_step
-            enforce_eager=(not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager,
         )
+        given = self.engine_args
+        if "enforce_eager" not in given:
+            kwargs["enforce_eager"] = (not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager
         if self._kv_events is not None:
             kwargs["kv_events_config"] = vllm_kv_events.kv_events_config(self._kv_events.endpoint)
-        if self.kv_cache_gib > 0:
+        if self.kv_cache_gib > 0 and given.get("kv_cache_memory_bytes") is None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
-        if self.enable_chunked_prefill is not None:
+        if self.enable_chunked_prefill is not None and "enable_chunked_prefill" not in given:
             kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
         step = self.max_num_batched_tokens
         if step is not None:
@@ -221,7 +231,7 @@ class VllmEngine(Engine):
             kwargs["additional_config"] = {vllm_scheduler.CONFIG_KEY: {
                 "background_tokens": self.background_step_tokens, "max_held_steps": self.hold_background_steps,
                 "urgent_priority": self.urgent_priority, "step_tokens": step or 0, "relaxed_tokens": relaxed}}
-        return AsyncEngineArgs(**kwargs)
+        return engine_args.engine_args(given, kwargs)
 
     async def start(self) -> None:
         # Blocks the event loop for the whole start-up (~40 s on CPU): AsyncLLM
