@@ -202,6 +202,9 @@ def test_the_affinity_off_config_keeps_every_other_setting(tmp_path):
     assert load_config(path).gateway.prefix_affinity is False
     assert load_config(with_changes("", {"gateway": {"prefix_affinity": False}}, tmp_path / "d.toml")) \
         .gateway.prefix_affinity is False
+    # a vLLM engine argument joins the file's [engine.vllm] table (`--block-size`: Bench.block_size)
+    both = with_changes(path, {"engine": {"vllm": {"block-size": 32}}}, tmp_path / "block.toml")
+    assert load_config(both).engine.kv_block_size == 32 and load_config(both).gateway.prefix_affinity is False
 
 
 # -- the round-robin proxy, over two small servers that say who they are ---------------------------

@@ -21,15 +21,24 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 def with_changes(base: str, changes: dict[str, dict[str, Any]], path: Path) -> str:
     """Write `base` (a TOML file; "" = the defaults) with `changes` ({section: {key: value}}) applied to
-    `path`; returns the path as a string, for `--config`."""
+    `path` (tables within a section merged); returns the path as a string, for `--config`."""
     data: dict[str, Any] = {}
     if base:
         with open(base, "rb") as fh:
             data = tomllib.load(fh)
     for section, values in changes.items():
-        data.setdefault(section, {}).update(values)
+        _merge(data.setdefault(section, {}), values)
     path.write_text(dumps(data))
     return str(path)
+
+
+def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
+    """Tables within a section (`[engine.vllm]`) merge key by key; other values replace."""
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def dumps(data: dict[str, Any]) -> str:
@@ -39,7 +48,7 @@ def dumps(data: dict[str, Any]) -> str:
 
 def _table(data: dict[str, Any], name: tuple[str, ...]) -> list[str]:
     lines = [f"{_key(k)} = {_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    if name and lines:
+    if name and (lines or not data):  # an empty table too (`[engine.vllm]` with every line a comment)
         lines.insert(0, f"[{'.'.join(map(_key, name))}]")
     for k, v in data.items():
         if isinstance(v, dict):

@@ -55,7 +55,7 @@ class SystemSpec:
     # 1 = the classic systems: one engine on every core (a disagg fleet: 1 prefill + 1 decode).
     engines: int = 1
     affinity: bool = True  # skyline fleets: [gateway] prefix_affinity
-    block_size: int = 0  # vLLM engines' KV block (--block-size, Skyline's [engine] kv_block_size); 0 = vLLM's default
+    block_size: int = 0  # vLLM engines' KV block (--block-size, [engine.vllm] block-size); 0 = vLLM's default
     elastic: int = 0  # skyline fleets: elastic workers instead of prefill + decode pools (one core each)
 
 
@@ -251,7 +251,7 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     if not spec.affinity:
         changes["gateway"] = {"prefix_affinity": False}
     if spec.block_size:  # set on vLLM-engine systems only (Bench._systems)
-        changes["engine"] = {"kv_block_size": spec.block_size}
+        changes["engine"] = {"vllm": {"block-size": spec.block_size}}
     if changes:
         run.config = with_changes(run.config, changes, Path(run.tmp.name) / "skyline.toml")
     common = ["--redis-url", run.redis_url, "--engine", spec.engine]
