@@ -119,6 +119,14 @@ def test_former_engine_keys_still_load_with_a_warning_naming_the_new_key(tmp_pat
         load_config(_write(tmp_path, "[engine]\nmax_model_len = 4096\n[engine.vllm]\nmax-model-len = 1024\n"))
 
 
+def test_the_gateway_reads_the_model_from_the_table_and_its_own_flags_win(tmp_path):
+    path = _write(tmp_path, '[engine.vllm]\nmodel = "/models/a"\nmax-model-len = 4096\nserved-model-name = ["a"]\n')
+    cfg = load_config(path)  # no vLLM needed: the gateway and the tools read the table as TOML gives it
+    assert (cfg.engine.model, cfg.engine.max_model_len, cfg.engine.served_model_name) == ("/models/a", 4096, "a")
+    cfg = load_config(path, {"engine": {"model": "/models/b", "max_model_len": None}})  # `skyline gateway --model`
+    assert (cfg.engine.model, cfg.engine.max_model_len) == ("/models/b", 4096)
+
+
 def test_nothing_given_keeps_skylines_cpu_defaults(model):
     assert not EngineConfig().vllm
     args = _vllm_args(EngineConfig(kind="vllm"), model)

@@ -448,6 +448,7 @@ def _engine_section(values: dict[str, Any], flags: dict[str, Any]) -> dict[str, 
             continue
         args.table[name] = value
     values.update(engine_args.from_table(args.table))
+    values.update({k: v for k, v in flags.items() if k in engine_args.RENAMED and v is not None})  # flags win
     values["vllm"] = args
     return values
 
