@@ -205,6 +205,15 @@ def test_what_skyline_controls_is_refused_with_the_reason(argv, says):
     assert "engine arguments refused (decode engines)" in str(caught.value) and says in str(caught.value)
 
 
+def test_an_engine_of_several_ranks_needs_a_core_set_per_rank():
+    with pytest.raises(ea.EngineArgsError, match=r"--tensor-parallel-size = 2: --cpu-bind '0-1' gives 1 core set\(s\) "
+                                                 r"for an engine of 2 rank\(s\)"):
+        ea.resolve(_engine(["-tp", "2"], cpu_bind="0-1"), "decode")
+    assert ea.resolve(_engine(["-tp", "2"], cpu_bind="0|1"), "decode")[1]["tensor_parallel_size"] == 2
+    with pytest.raises(ea.EngineArgsError, match="--pipeline-parallel-size = 1: --cpu-bind '0|1'"):
+        ea.resolve(_engine(["--max-num-seqs", "4"], cpu_bind="0|1"), "decode")
+
+
 def test_a_refusal_lifts_where_skyline_lets_go():
     ec = _engine(["--kv-offloading-size", "4", "--kv-events-config", '{"enable_kv_cache_events": true}'],
                  kv_transfer=False, prefix_cache_events=False)

@@ -273,6 +273,13 @@ def test_engines_get_cores_of_their_own_pool():
     assert core_binds(1, 3, [4, 5, 6]) == ["4", "5", "6", "5"]
     assert core_binds(3, 1, [0, 1, 2]) == ["0", "1", "0", "2"]
     assert core_binds(1, 1, [7]) == ["7", "7"]  # one core: nothing to separate
+    # Engines of several ranks (tensor/pipeline parallel: vLLM's CPU backend runs a process per rank): a core
+    # set per rank, joined with | (VLLM_CPU_OMP_THREADS_BIND), each rank placed as an engine of its own.
+    assert core_binds(0, 1, [0, 1], [2]) == ["0|1"]
+    assert core_binds(0, 1, [0, 1, 2, 3], [2]) == ["0-1|2-3"]
+    assert core_binds(0, 1, [0], [2]) == ["0|0"]
+    assert core_binds(1, 1, [0, 1, 2], [1, 2]) == ["0", "1|2"]
+    assert core_binds(0, 2, [0, 1], [2, 2]) == ["0|1", "0|1"]
 
 
 def test_a_taken_port_is_named_with_its_holder_before_anything_starts(tmp_path):

@@ -280,6 +280,13 @@ def refusals(given: dict[str, Any], ec: EngineConfig, role: str | None) -> list[
     names = given.get("served_model_name")
     if isinstance(names, list) and len(names) > 1:
         refuse("served_model_name", "the gateway serves one name for the fleet's model")
+    ranks = int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1))
+    if ec.kind == "vllm" and ec.cpu_bind and ec.cpu_bind not in ("auto", "nobind") \
+            and ec.cpu_bind.count("|") + 1 != ranks:
+        name = "tensor_parallel_size" if "tensor_parallel_size" in given else "pipeline_parallel_size"
+        out.append(f"{flag(name)} = {given.get(name, 1)}: --cpu-bind {ec.cpu_bind!r} gives "
+                   f"{ec.cpu_bind.count('|') + 1} core set(s) for an engine of {ranks} rank(s); vLLM's CPU backend "
+                   "binds each rank to a set of its own: one per rank, separated by | (e.g. 0|1)")
     if (mml := given.get("max_model_len")) is not None and mml < 1:
         refuse("max_model_len", "the gateway checks each request against the context length: give it")
     return out

@@ -74,7 +74,8 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
         n_prefill = 0
     plan = []
     roles = ["prefill"] * n_prefill + ["decode"] * n_decode + ["elastic"] * n_elastic
-    binds = core_binds(n_prefill, n_decode + n_elastic, _cores())
+    ranks = [engine_ranks(cfg, role) for role in roles] if cfg.engine.kind == "vllm" else None
+    binds = core_binds(n_prefill, n_decode + n_elastic, _cores(), ranks)
     for i, role in enumerate(roles):
         args = [role]
         if cfg.engine.kind == "vllm":
@@ -88,20 +89,65 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
     return plan
 
 
-def core_binds(n_prefill: int, n_decode: int, cores: list[int]) -> list[str]:
+def engine_ranks(cfg: SkylineConfig, role: str) -> int:
+    """Processes of one engine of `role`: vLLM's CPU backend runs one per tensor- and pipeline-parallel
+    rank, each bound to a core set of its own (VLLM_CPU_OMP_THREADS_BIND: one set per rank, `|` between)."""
+    if not cfg.engine.vllm:
+        return 1
+    from skyline.core.engine_args import resolve
+
+    given = resolve(cfg.engine, role)[1]
+    return int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1))
+
+
+def core_binds(n_prefill: int, n_decode: int, cores: list[int], ranks: list[int] | None = None) -> list[str]:
     """The cores of each engine (prefill engines first): a lone engine gets every core; one core
     each while there are enough; with more engines than cores, each pool shares its own cores (in
     proportion to its engines) and no decode engine is put on a prefill engine's core: there, a
-    decode engine's first KV pull from that prefill engine stalls both executors until the prefill
-    engine's lease of the blocks runs out."""
+    decode engine's first KV pull from that prefill engine hung for 87 s, both executors stalled
+    until the prefill engine's lease of the blocks ran out (3 of 3 times on 2 cores, 2026-12-03).
+    `ranks`: each engine's processes (tensor x pipeline parallel; default 1 each). Each rank counts as
+    an engine above and an engine's ranks' core sets are joined with `|` (a lone engine's cores split
+    among its ranks): "0|1" for a TP=2 engine on two cores."""
+    ranks = ranks or [1] * (n_prefill + n_decode)
+    if n_prefill + n_decode == 1:
+        return ["|".join(_span(part) for part in _split(cores, ranks[0]))]
+    units = _unit_binds(sum(ranks[:n_prefill]), sum(ranks[n_prefill:]), cores)
+    out, i = [], 0
+    for r in ranks:
+        out.append("|".join(units[i:i + r]))
+        i += r
+    return out
+
+
+def _unit_binds(n_prefill: int, n_decode: int, cores: list[int]) -> list[str]:
     n = n_prefill + n_decode
     if n == 1:
-        return [f"{cores[0]}-{cores[-1]}"]
+        return [_span(cores)]
     if n <= len(cores) or not n_prefill or not n_decode or len(cores) == 1:
         return [str(cores[i % len(cores)]) for i in range(n)]
     k = min(len(cores) - 1, max(1, round(len(cores) * n_prefill / n)))  # the prefill pool's cores
     return ([str(cores[i % k]) for i in range(n_prefill)]
             + [str(cores[k + i % (len(cores) - k)]) for i in range(n_decode)])
+
+
+def _split(cores: list[int], parts: int) -> list[list[int]]:
+    """`cores` in `parts` contiguous runs as even as can be; with fewer cores than parts, parts share them."""
+    if len(cores) < parts:
+        return [[cores[i % len(cores)]] for i in range(parts)]
+    size, extra = divmod(len(cores), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(cores[start:end])
+        start = end
+    return out
+
+
+def _span(cores: list[int]) -> str:
+    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
 
 
 @dataclass
