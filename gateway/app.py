@@ -46,9 +46,10 @@ from skyline.gateway.openai_api import Frontend, build_frontend
 from skyline.gateway.prepare import Serving, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter, TokenBudgets
 from skyline.gateway.relay import Relay
+from skyline.gateway.responses_api import ResponsesApi
 from skyline.gateway.tenants import Tenants, api_key_of
 from skyline.gateway.vllm_serving_internals import (
-    allow_vllm_handlers, is_error_response, request_model, responses_stream_as_sse, validation_response,
+    allow_vllm_handlers, is_error_response, request_model, validation_response,
 )
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
@@ -98,6 +99,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         finally:
             # Every step of the way out is bounded, as a worker's is: a gateway that hangs here is
             # killed by whoever stops it, without a word on where.
+            await bounded_step("the background responses", responses_api.close(), log)
             await bounded_step("the fleet view", fleet.close(), log)
             await bounded_step("the timeline", observer.close(), log)
             await bounded_step("the token relay", relay.close(), log)
@@ -111,6 +113,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
     generation = _GenerationRoutes(cfg, front, rate_limiter, dispatcher.budgets, metrics, tenants)
+    # The Responses API's store in Redis around vLLM's own Responses serving (gateway/responses_api.py).
+    responses_api = ResponsesApi(cfg, front, tenants, rate_limiter, lambda: dispatcher.redis)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -123,7 +127,9 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await generation.serve(request, "responses", request_model("responses"), _stateless(front))
+        return await generation.serve(request, "responses", request_model("responses"), responses_api.create)
+
+    responses_api.add_routes(app)  # GET, cancel, DELETE, input_items of stored responses
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -164,27 +170,6 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet), tenants)
 
     return app
-
-
-def _stateless(front: Frontend) -> Callable[[Any, Request], Awaitable[Any]]:
-    """/v1/responses without a response store: Skyline keeps no conversation state in the gateway."""
-
-    async def create(req: Any, raw: Request) -> Any:
-        if req.previous_response_id is not None:
-            raise ApiError(400, "previous_response_id needs a response store, which Skyline does not keep; "
-                                "send the whole conversation in `input`", param="previous_response_id")
-        if req.store:
-            raise ApiError(400, "`store: true` is not supported by Skyline (no response store); send "
-                                "`store: false`", param="store")
-        if req.background:
-            raise ApiError(400, "`background: true` needs a response store, which Skyline does not keep",
-                           param="background")
-        result = await front.responses.create_responses(req, raw)
-        if hasattr(result, "__anext__"):  # a stream of event objects: SSE as `vllm serve` writes it
-            return responses_stream_as_sse(result)
-        return result
-
-    return create
 
 
 class _GenerationRoutes:

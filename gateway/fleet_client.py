@@ -66,6 +66,9 @@ class RequestScope:
     client_gone: bool = False
     opening: list[str] = field(default_factory=list)  # a Responses stream's first events, held until the fleet took it
     counted: bool = False  # a status is in the gateway's request counter (a session, or a refusal at the door)
+    # A background response (gateway/responses_api.py): it runs on after its HTTP request was answered,
+    # so nothing here watches that connection.
+    detached: bool = False
 
     def close_all(self, status: int) -> None:
         for s in self.sessions:
@@ -138,7 +141,7 @@ class FleetClient:
             while not assembler.finished:
                 # Watch for the client leaving while no response has started (a stream that has started
                 # is Starlette's to watch: it cancels the response when the client goes).
-                watch = scope.raw if not (scope.stream and scope.started) else None
+                watch = scope.raw if not (scope.detached or (scope.stream and scope.started)) else None
                 frames = await session.frames(watch)
                 # Tokens that arrived before a failure in the same batch are the client's: send them,
                 # then the error (a stream then ends with an error chunk after its text, as it happened).

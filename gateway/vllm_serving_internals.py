@@ -71,9 +71,34 @@ CREATE_TOKENIZE = Internal(SERVING_TOKENIZATION.module, "ServingTokenization.cre
                            params=("request", "raw_request"))
 CREATE_DETOKENIZE = Internal(SERVING_TOKENIZATION.module, "ServingTokenization.create_detokenize", _SERVE,
                              params=("request", "raw_request"))
-# A Responses stream of event objects as SSE text, as `vllm serve` writes it (a private function of its router).
+# How `vllm serve` writes a Responses stream's events as SSE (a private function of its router): `event_json`
+# and gateway/responses_api.py write them the same way.
 RESPONSES_SSE = Internal("vllm.entrypoints.openai.responses.api_router", "_convert_stream_to_sse_events",
-                         "to write a Responses stream as `vllm serve` does", params=("generator",))
+                         "to write a Responses stream as `vllm serve` does", params=("generator",),
+                         source=('f"event: {event_type}\\ndata: "', "event.model_dump_json(indent=None, by_alias=True)"))
+# The Responses API's store (gateway/responses_api.py): vLLM keeps it in dicts of its serving object,
+# filled and read by its own create/retrieve code. The gateway turns it on, fills in a stored previous
+# response for the one request that continues it, and moves what vLLM stored into Redis once a
+# request ends; the sources named are the reads and writes of those dicts this relies on.
+_STORE = "to keep the Responses API's store in Redis"
+RESPONSES_STORE = Internal(SERVING_RESPONSES.module, "OpenAIServingResponses", _STORE,
+                           fields=("enable_store", "use_harmony", "response_store", "msg_store", "event_store",
+                                   "background_tasks"))
+RESPONSES_CREATE_STORE = Internal(
+    SERVING_RESPONSES.module, "OpenAIServingResponses._create_responses", _STORE,
+    source=("self.response_store.get(prev_response_id)", "self.msg_store[request.request_id] = messages",
+            "self.response_store[response.id] = response", "self.background_tasks[response_id] = task"))
+RESPONSES_PREVIOUS = Internal(SERVING_RESPONSES.module, "OpenAIServingResponses._render_resolved_response_inputs",
+                              _STORE, source=("self.msg_store.get(prev_response.id)",))
+RESPONSES_FINAL_STORE = Internal(SERVING_RESPONSES.module, "OpenAIServingResponses.responses_full_generator",
+                                 _STORE, source=("self.response_store[response.id] = response",))
+RESPONSES_EVENT_STORE = Internal(
+    SERVING_RESPONSES.module, "OpenAIServingResponses._run_background_request_stream", _STORE,
+    source=("self.event_store[request.request_id] = (event_deque, new_event_signal)", "event_deque.append(event)"))
+RESPONSES_CANCEL = Internal(SERVING_RESPONSES.module, "OpenAIServingResponses.cancel_responses", _STORE,
+                            params=("response_id",), source=('response.status = "cancelled"', "task.cancel()"))
+RESPONSES_RESPONSE = Internal("vllm.entrypoints.openai.responses.protocol", "ResponsesResponse", _STORE,
+                              fields=("id", "status", "output"))
 REQUEST_MODELS = {
     "chat": Internal("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest", _PROTOCOL),
     "completion": Internal("vllm.entrypoints.openai.completion.protocol", "CompletionRequest", _PROTOCOL),
@@ -111,6 +136,8 @@ CONTRACT: tuple[Internal, ...] = (
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
     SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
+    RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
+    RESPONSES_CANCEL, RESPONSES_RESPONSE,
     *REQUEST_MODELS.values(), ERROR_RESPONSE, ERROR_INFO, CREATE_ERROR_RESPONSE, VALIDATION_HANDLER, VALIDATION_ERROR,
     ENGINE_CLIENT, API_SERVER_ARGS, ARGUMENT_PARSER, BUILD_APP, INIT_APP_STATE, BENCH_SERVE_ADD_ARGS,
     BENCH_SERVE_MAIN, API_SERVER,
@@ -226,9 +253,93 @@ def request_model(kind: str) -> type:
     return REQUEST_MODELS[kind].resolve()
 
 
-def responses_stream_as_sse(events: Any) -> Any:
-    """A Responses stream of event objects as the SSE text `vllm serve` writes."""
-    return RESPONSES_SSE.resolve()(events)
+# ---- the Responses API's store (what vLLM keeps in memory, moved to Redis by gateway/responses_api.py) ----
+
+
+def enable_response_store(responses: Any) -> None:
+    """Let vLLM's Responses serving keep `store: true` responses, run `background` ones and continue
+    `previous_response_id` (what `VLLM_ENABLE_RESPONSES_API_STORE=1` turns on in `vllm serve`)."""
+    RESPONSES_STORE.resolve()
+    responses.enable_store = True
+
+
+def is_response(result: Any) -> bool:
+    """A Responses API response object of vLLM's (not an error, not a stream)."""
+    return isinstance(result, RESPONSES_RESPONSE.resolve())
+
+
+def response_json(response: Any) -> dict[str, Any]:
+    """A response object as `vllm serve` answers it."""
+    return response.model_dump(mode="json", by_alias=True)
+
+
+def event_json(event: Any) -> str:
+    """One Responses stream event as `vllm serve` writes its `data:`."""
+    return event.model_dump_json(indent=None, by_alias=True)
+
+
+def stage_previous(responses: Any, response: dict[str, Any], messages: list[Any] | None) -> None:
+    """Put a stored response (its object and the conversation it continued) where vLLM's
+    `previous_response_id` looks for it, for one request."""
+    rid = response["id"]
+    responses.response_store[rid] = RESPONSES_RESPONSE.resolve().model_validate(response)
+    if messages is not None:
+        responses.msg_store[rid] = _harmony_messages(messages) if responses.use_harmony else messages
+
+
+def is_held(responses: Any, response_id: str) -> bool:
+    """vLLM holds this response in memory (one of this gateway's requests, running or just done)."""
+    return response_id in responses.response_store
+
+
+def take_stored(responses: Any, response_id: str) -> tuple[Any, list[Any] | None]:
+    """What vLLM stored for a request (its response object, the conversation it rendered; None where
+    nothing), removed from its memory; the conversation as JSON-ready values."""
+    response = responses.response_store.pop(response_id, None)
+    messages = responses.msg_store.pop(response_id, None)
+    return response, None if messages is None else _jsonable(messages)
+
+
+def peek_stored(responses: Any, response_id: str) -> tuple[Any, list[Any] | None]:
+    """As `take_stored`, leaving them in vLLM's memory."""
+    messages = responses.msg_store.get(response_id)
+    return responses.response_store.get(response_id), None if messages is None else _jsonable(messages)
+
+
+def drop_stored(responses: Any, response_id: str) -> None:
+    """Forget what vLLM keeps of a request (its response, conversation, events)."""
+    responses.response_store.pop(response_id, None)
+    responses.msg_store.pop(response_id, None)
+    responses.event_store.pop(response_id, None)
+
+
+def background_task(responses: Any, response_id: str) -> Any:
+    """The asyncio task vLLM runs a background response in (None once it ended)."""
+    return responses.background_tasks.get(response_id)
+
+
+def stream_events(responses: Any, response_id: str) -> Any:
+    """The events a background stream has produced so far, in order (a deque; None before its first)."""
+    entry = responses.event_store.get(response_id)
+    return None if entry is None else entry[0]
+
+
+async def cancel_background(responses: Any, response_id: str) -> None:
+    """vLLM's cancel of a background response it runs: marked cancelled, its task cancelled."""
+    if response_id in responses.response_store:
+        await responses.cancel_responses(response_id)
+
+
+def _jsonable(messages: list[Any]) -> list[Any]:
+    from pydantic_core import to_jsonable_python
+
+    return [m.to_dict() if hasattr(m, "to_dict") else to_jsonable_python(m) for m in messages]
+
+
+def _harmony_messages(messages: list[Any]) -> list[Any]:
+    from openai_harmony import Message
+
+    return [Message.from_dict(m) for m in messages]
 
 
 def is_error_response(result: Any) -> bool:

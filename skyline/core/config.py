@@ -252,6 +252,15 @@ class GatewayConfig:
     key_options: tuple[KeyOptions, ...] = field(default=(), metadata={"option": False})
     max_body_bytes: int = 1_000_000
     max_header_bytes: int = 32_768  # all request headers together; larger -> 431
+    # The Responses API's store, in Redis (gateway/response_store.py, docs/api.md): `store: true` (the
+    # API's default), `previous_response_id`, `background`, GET/cancel/DELETE/input_items. A stored
+    # response is kept this long (30 days, as OpenAI keeps them); 0 = no store: `store` is ignored as
+    # `vllm serve` ignores it by default, `background` and `previous_response_id` are refused.
+    response_store_ttl_s: int = 2_592_000
+    # The bytes one API key's stored responses may take (every tenant alike; without API keys, all
+    # clients share one allowance). Past it, `store: true` is refused with 429 until some expire or
+    # are deleted. 0 = no bound.
+    response_store_max_bytes: int = 64 * 1024 * 1024
     # The OpenAI surface, as `vllm serve` takes it (gateway/openai_api.py runs vLLM's serving code):
     # --enable-auto-tool-choice, --tool-call-parser NAME, --reasoning-parser NAME, --chat-template FILE|TEXT.
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)

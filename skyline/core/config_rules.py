@@ -139,6 +139,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("worker", "cache_view_max_blocks"): _AT_LEAST_0,
     ("gateway", "max_body_bytes"): _AT_LEAST_1,
     ("gateway", "max_header_bytes"): _AT_LEAST_1,
+    ("gateway", "response_store_ttl_s"): _AT_LEAST_0,
+    ("gateway", "response_store_max_bytes"): _AT_LEAST_0,
     ("gateway", "request_timeout_s"): _POSITIVE,
     ("gateway", "first_frame_timeout_s"): _POSITIVE,
     ("gateway", "worker_liveness_s"): _POSITIVE,
@@ -244,6 +246,9 @@ def _cross(cfg: Any) -> list[str]:
     rule(r.run_ttl_s > g.request_timeout_s,
          f"[redis] run_ttl_s = {r.run_ttl_s} must exceed [gateway] request_timeout_s = {g.request_timeout_s} "
          "(a request's delivery state must outlive the request)")
+    rule(g.response_store_ttl_s == 0 or g.response_store_ttl_s > g.request_timeout_s,
+         f"[gateway] response_store_ttl_s = {g.response_store_ttl_s} must exceed request_timeout_s = "
+         f"{g.request_timeout_s} (a background response must outlive its run), or be 0 (no store)")
     rule(cfg.default_tier in tiers, f"default_tier = {cfg.default_tier!r} is not one of the tiers {tiers}")
     # Tiers named by a setting the operator wrote must exist; the defaults name the default
     # tiers and are harmless in a fleet with tiers of its own (no request can be in them).

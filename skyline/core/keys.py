@@ -298,6 +298,46 @@ class Keys:
         `rq:wip:...`, `rq:job:<batch id>`...): `rq info` and the RQ registries show batches there."""
         return f"{self.prefix}-batches"
 
+    # ---- the Responses API's store (gateway/response_store.py). A response's keys carry its id as
+    # a hash tag, a tenant's accounting its owner: each script touches one slot.
+
+    def response(self, response_id: str) -> str:
+        """HASH `skyline:response:{<id>}` — one stored response of the Responses API.
+
+        `owner` (the creating key's digest; "" without keys), `status` (queued, in_progress,
+        completed, incomplete, failed, cancelled), `response` (the response object, JSON, as
+        `GET /v1/responses/{id}` answers it), `messages` (the conversation vLLM rendered, JSON: what
+        `previous_response_id` continues), `input` (the input items, JSON), `bytes`, `created_at`,
+        `version`; a background response also `lease_ms` (renewed by the gateway running it; past
+        it, readers mark the response failed) and `stream` ("1": its events are kept). Written by
+        the gateway that made it (status changes are Lua transitions), read by every gateway.
+        TTL `gateway.response_store_ttl_s`.
+        """
+        return f"{self.prefix}:response:{{{response_id}}}"
+
+    def response_events(self, response_id: str) -> str:
+        """LIST `skyline:response:{<id>}:events` — a background stream's events, one JSON object each.
+
+        Entry k is the event of `sequence_number` k, RPUSHed by the gateway running the response;
+        read by `GET /v1/responses/{id}?stream=true&starting_after=N` on any gateway. Same TTL as
+        the response.
+        """
+        return f"{self.prefix}:response:{{{response_id}}}:events"
+
+    def responses_of(self, owner: str) -> str:
+        """ZSET `skyline:responses:{<owner digest>}` — response id -> when it expires (Unix ms), the
+        stored responses of one API key (`-`: a gateway without keys). With `response_bytes_of`,
+        what bounds a tenant's share of the store (`gateway.response_store_max_bytes`); expired
+        members are dropped by the next write. TTL: the newest member's."""
+        return f"{self.prefix}:responses:{{{owner or '-'}}}"
+
+    def response_bytes_of(self, owner: str) -> str:
+        """HASH `skyline:responses:{<owner digest>}:bytes` — response id -> its bytes, and `total`.
+
+        Updated with `responses_of` by one Lua script (same hash tag); read by `redis-cli HGET ...
+        total` to see a tenant's use."""
+        return f"{self.prefix}:responses:{{{owner or '-'}}}:bytes"
+
     def all_streams(self, tiers: tuple[str, ...]) -> list[tuple[str, str, str]]:
         """(stage, tier, key) for every tier stream, in stage then tier order (retry lanes: `lanes`)."""
         return [(stage, tier, self.stream(stage, tier)) for stage in STAGES for tier in tiers]
