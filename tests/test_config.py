@@ -78,6 +78,8 @@ def _load(tmp_path, text: str):
     ("[gateway]\nworker_liveness_s = 30.0\n", "[gateway] worker_liveness_s = 30.0 must be at most [worker] heartbeat_ttl_s"),
     ("[gateway]\nfirst_frame_timeout_s = 400.0\n", "first_frame_timeout_s = 400.0 must be at most request_timeout_s"),
     ("[gateway]\nrequest_timeout_s = 1000.0\n", "[redis] run_ttl_s = 900 must exceed [gateway] request_timeout_s"),
+    ("[gateway]\nresponse_store_ttl_s = 60\n", "[gateway] response_store_ttl_s = 60 must exceed request_timeout_s"),
+    ("[gateway]\nresponse_store_max_bytes = -1\n", "[gateway] response_store_max_bytes = -1: must be at least 0"),
     ("[batch]\nmin_concurrency = 8\nstart_concurrency = 4\n", "must be min <= start <= max"),
     ("[batch]\nfill_tokens = 4096\n", "[batch] fill_tokens = 4096 must be at most backoff_tokens = 2048"),
     ('[gateway]\nsheddable_tiers = ["interactiv"]\n', "sheddable_tiers names 'interactiv', which is not one of the tiers"),
