@@ -12,7 +12,8 @@ transition that names the statuses it may leave, so a cancel racing the gateway 
 the response settles on one outcome. A background response carries a lease the gateway running
 it renews; once it lapsed (that gateway died), the next reader marks the response failed.
 
-Each tenant's stored bytes are bounded (`gateway.response_store_max_bytes`): an accounting per
+Each tenant's stored bytes are bounded (`gateway.response_store_max_bytes`, or its key's own
+`response_store_bytes`): an accounting per
 owner (ids, their sizes and expiry) is updated by one script before a record is written, which
 refuses what would take the tenant past its bound; a record that replaces one no larger is always
 taken, so a background response can always be closed.
@@ -166,14 +167,18 @@ class ResponseStore:
         """The bytes `owner`'s stored responses take now (expired ones dropped first)."""
         return int((await self._run_account(owner, "", 0, "usage"))[1])
 
-    async def check_room(self, owner: str) -> None:
-        """StoreFull when `owner` has no room left at all: refused before a response is computed."""
-        if self.max_bytes and (used := await self.usage(owner)) >= self.max_bytes:
-            raise StoreFull(used, 0, self.max_bytes)
+    async def check_room(self, owner: str, limit: int | None = None) -> None:
+        """StoreFull when `owner` has no room left at all under `limit` (None: the store's bound):
+        refused before a response is computed."""
+        limit = self.max_bytes if limit is None else limit
+        if limit and (used := await self.usage(owner)) >= limit:
+            raise StoreFull(used, 0, limit)
 
     async def create(self, rid: str, owner: str, status: str, response: dict[str, Any], messages: list[Any] | None,
-                     input_items: list[dict[str, Any]], *, background: bool = False, stream: bool = False) -> None:
-        """A new record. StoreFull past the owner's bound, IdTaken when the id is stored already."""
+                     input_items: list[dict[str, Any]], *, background: bool = False, stream: bool = False,
+                     limit: int | None = None) -> None:
+        """A new record. StoreFull past the owner's bound (`limit`; None: the store's), IdTaken when
+        the id is stored already."""
         fields = {"owner": owner, "status": status, "version": 0, "response": encode(response),
                   "messages": "" if messages is None else encode(messages), "input": encode(input_items),
                   "created_at": int(response.get("created_at") or time.time())}
@@ -183,11 +188,12 @@ class ResponseStore:
             fields["stream"] = 1
         size = _size(fields)
         fields["bytes"] = size
-        ok, used = await self._run_account(owner, rid, size, "new")
+        limit = self.max_bytes if limit is None else limit
+        ok, used = await self._run_account(owner, rid, size, "new", limit)
         if ok == -1:
             raise IdTaken(rid)
         if ok == 0:
-            raise StoreFull(used, size, self.max_bytes)
+            raise StoreFull(used, size, limit)
         args: list[Any] = [self.ttl_s]
         for k, v in fields.items():
             args += [k, v]
@@ -196,7 +202,8 @@ class ResponseStore:
             raise IdTaken(rid)
 
     async def finish(self, rec: StoredResponse, status: str, response: dict[str, Any],
-                     messages: list[Any] | None = None, *, leave: tuple[str, ...] = ACTIVE) -> bool:
+                     messages: list[Any] | None = None, *, leave: tuple[str, ...] = ACTIVE,
+                     limit: int | None = None) -> bool:
         """Move a record from one of `leave` to `status` with its final `response` (and conversation).
         False when it had left those already (cancelled, deleted, failed by a reader). A response
         past its owner's bound is stored as failed instead (its error says so); that is no larger
@@ -205,12 +212,13 @@ class ResponseStore:
         if messages is not None:
             fields["messages"] = encode(messages)
         size = _size({**_rest(rec), **fields})
-        ok, used = await self._run_account(rec.owner, rec.id, size, "replace")
+        limit = self.max_bytes if limit is None else limit
+        ok, used = await self._run_account(rec.owner, rec.id, size, "replace", limit)
         if ok != 1:
             status = "failed"
             response = with_error({**response, "output": [], "usage": None}, "failed", "server_error",
                                   f"the response was computed but not stored: its owner's stored responses take "
-                                  f"{used} bytes of {self.max_bytes} ([gateway] response_store_max_bytes)")
+                                  f"{used} bytes of the {limit} it may keep ([gateway] response_store_max_bytes)")
             fields = {"response": encode(response), "lease_ms": 0}
         done = await self._move(rec.id, leave, status, fields)
         if not done:  # left alone: count what the record still holds
@@ -268,10 +276,11 @@ class ResponseStore:
     def _owner_keys(self, owner: str) -> list[str]:
         return [self.keys.responses_of(owner), self.keys.response_bytes_of(owner)]
 
-    async def _run_account(self, owner: str, rid: str, size: int, mode: str) -> tuple[int, int]:
+    async def _run_account(self, owner: str, rid: str, size: int, mode: str, limit: int = 0) -> tuple[int, int]:
+        """The accounting script (`limit` 0: none, e.g. a record kept as it is)."""
         now = _now_ms()
         ok, total = await self._account(keys=self._owner_keys(owner), args=[
-            rid, size, now + self.ttl_s * 1000, now, self.max_bytes, mode, self.ttl_s * 1000])
+            rid, size, now + self.ttl_s * 1000, now, limit, mode, self.ttl_s * 1000])
         return int(ok), int(total)
 
     async def _move(self, rid: str, leave: tuple[str, ...], status: str, fields: dict[str, Any]) -> bool:

@@ -100,7 +100,7 @@ class ResponsesApi:
             prev = await self._owned(req.previous_response_id, tenant, param="previous_response_id")
         if req.store:
             try:
-                await _redis(self.store().check_room(tenant.owner))
+                await _redis(self.store().check_room(tenant.owner, self.bound(tenant)))
             except StoreFull as exc:
                 raise self._full(exc) from None
         staged = prev is not None and self._stage(prev)
@@ -154,7 +154,7 @@ class ResponsesApi:
         body = vllm.response_json(response)
         try:
             await _redis(self.store().create(req.request_id, tenant.owner, body["status"], body, messages,
-                                             input_items(req.input)))
+                                             input_items(req.input), limit=self.bound(tenant)))
         except StoreFull as exc:
             raise self._full(exc) from None
         except IdTaken:
@@ -205,7 +205,8 @@ class ResponsesApi:
             await result.aclose()
         try:
             await _redis(self.store().create(rid, tenant.owner, "queued", vllm.response_json(queued), messages,
-                                             input_items(req.input), background=True, stream=bool(req.stream)))
+                                             input_items(req.input), background=True, stream=bool(req.stream),
+                                             limit=self.bound(tenant)))
         except BaseException as exc:
             await vllm.cancel_background(self.serving, rid)
             vllm.drop_stored(self.serving, rid)
@@ -215,7 +216,8 @@ class ResponsesApi:
                 raise _id_taken(rid) from None
             raise
         task = vllm.background_task(self.serving, rid)
-        follower = asyncio.get_running_loop().create_task(self._follow(rid, task, scope, bool(req.stream)),
+        follower = asyncio.get_running_loop().create_task(self._follow(rid, task, scope, bool(req.stream),
+                                                                       self.bound(tenant)),
                                                           name=f"follow-{rid}")
         self.followers[rid] = follower
         follower.add_done_callback(lambda _t: self.followers.pop(rid, None))
@@ -223,7 +225,8 @@ class ResponsesApi:
             return self._replay(rid, None)
         return queued
 
-    async def _follow(self, rid: str, task: asyncio.Task | None, scope: RequestScope, stream: bool) -> None:
+    async def _follow(self, rid: str, task: asyncio.Task | None, scope: RequestScope, stream: bool,
+                      limit: int) -> None:
         """Run alongside vLLM's task of one background response until it ended, then store its end."""
         st = self.store()
         copied, renewed, started = 0, time.monotonic(), False
@@ -262,7 +265,7 @@ class ResponsesApi:
                 body = with_error(body or rec.response, "failed", why[0], why[1])
                 if stream:
                     await st.append_events(rid, [_event_json("error", why[0], why[1], None, copied)])
-            await st.finish(rec, body["status"], body, messages)
+            await st.finish(rec, body["status"], body, messages, limit=limit)
         except (RedisError, OSError) as exc:
             log.warning("background response %s: cannot reach Redis: %s", rid, exc)
         except Exception:  # noqa: BLE001 - a follower must not die silently: its response would hang
@@ -334,10 +337,15 @@ class ResponsesApi:
             raise ApiError(404, "this gateway keeps no responses ([gateway] response_store_ttl_s = 0)",
                            code="response_store_off")
 
+    def bound(self, tenant: Tenant) -> int:
+        """The bytes `tenant`'s stored responses may take (0: no bound)."""
+        return self.max_bytes if tenant.response_store_bytes is None else tenant.response_store_bytes
+
     def _full(self, exc: StoreFull) -> ApiError:
         return ApiError(429, f"the stored responses of this API key take {exc.used} bytes of the {exc.limit} it may "
-                             "keep ([gateway] response_store_max_bytes): delete some (DELETE /v1/responses/{id}), "
-                             "wait for them to expire, or send `store: false`", code="response_store_full")
+                             "keep ([gateway] response_store_max_bytes, or its key's response_store_bytes): delete "
+                             "some (DELETE /v1/responses/{id}), wait for them to expire, or send `store: false`",
+                        code="response_store_full")
 
     def add_routes(self, app: FastAPI) -> None:
         @app.get("/v1/responses/{response_id}")

@@ -50,6 +50,7 @@ class Tenant:
     sees_all: bool = False  # an operator key, or anyone on a gateway without keys
     tokens_per_minute: int = 0  # its token budget (prompt + output); 0 = none
     strictest_tier: str = ""  # the strictest SLO tier it may use; "" = any
+    response_store_bytes: int | None = None  # what its stored responses may take; None = the [gateway] default
 
     def owns(self, owner: str | None) -> bool:
         """May this tenant see an object recorded with `owner` (None: recorded without one)?"""
@@ -102,6 +103,9 @@ class Tenants:
         self.default_limits = (g.tenant_tokens_per_minute, g.tenant_strictest_tier)
         # By owner digest, the one thing known of a batch line's tenant (see the module docstring).
         self.limits: dict[str, tuple[int, str]] = {key_digest(k, self.secret): (0, "") for k in self.operator_keys}
+        # Stored responses' bounds of the keys whose line names one (gateway/responses_api.py).
+        self.store_bytes: dict[str, int] = {key_digest(k.key, self.secret): k.response_store_bytes
+                                            for k in g.key_options if k.response_store_bytes is not None}
         for k in g.key_options:
             tpm, tier = k.limits
             self.limits[key_digest(k.key, self.secret)] = (self.default_limits[0] if tpm is None else tpm,
@@ -118,7 +122,8 @@ class Tenants:
         if not self.keys:
             tenant = ANONYMOUS
         elif acting := _ACTING_FOR.get():  # a batch line: its owner's tier limit, no budget (module docstring)
-            tenant = Tenant(acting, strictest_tier=self.limits.get(acting, self.default_limits)[1])
+            tenant = Tenant(acting, strictest_tier=self.limits.get(acting, self.default_limits)[1],
+                            response_store_bytes=self.store_bytes.get(acting))
         else:
             key = api_key_of(request) or ""
             # Constant-time, like check_auth: which keys are operators' must not show in timing either.
@@ -128,7 +133,8 @@ class Tenants:
                 tenant = Tenant(owner, sees_all=True)
             else:
                 tokens_per_minute, strictest_tier = self.limits.get(owner, self.default_limits)
-                tenant = Tenant(owner, tokens_per_minute=tokens_per_minute, strictest_tier=strictest_tier)
+                tenant = Tenant(owner, tokens_per_minute=tokens_per_minute, strictest_tier=strictest_tier,
+                                response_store_bytes=self.store_bytes.get(owner))
         request.state.tenant = tenant
         return tenant
 

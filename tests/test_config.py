@@ -175,13 +175,15 @@ def test_the_kubernetes_config_is_the_gpu_preset():
 
 def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_path):
     (tmp_path / "keys.txt").write_text("key-a tokens_per_minute=6000 strictest_tier=standard  # capped\n"
-                                       "key-b\nkey-c strictest_tier=\nkey-a tokens_per_minute=6000 strictest_tier=standard\n")
+                                       "key-b\nkey-c strictest_tier=\nkey-a tokens_per_minute=6000 strictest_tier=standard\n"
+                                       "key-d response_store_bytes=1000\n")
     cfg = load_config(_write(tmp_path, f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n'
                                        'tenant_tokens_per_minute = 100\ntenant_strictest_tier = "batch"\n'))
     g = cfg.gateway
-    assert g.api_keys == ("key-a", "key-b", "key-c", "key-a")
-    assert [(k.where.rsplit(" ", 1)[-1], k.limits) for k in g.key_options] == [
-        ("1", (6000, "standard")), ("3", (None, "")), ("4", (6000, "standard"))]
+    assert g.api_keys == ("key-a", "key-b", "key-c", "key-a", "key-d")
+    assert [(k.where.rsplit(" ", 1)[-1], k.limits, k.response_store_bytes) for k in g.key_options] == [
+        ("1", (6000, "standard"), None), ("3", (None, ""), None), ("4", (6000, "standard"), None),
+        ("5", (None, None), 1000)]
     assert "key-a" not in repr(g.key_options)  # a secret: never in a repr
 
     from skyline.gateway.tenants import Tenants, key_digest
@@ -189,6 +191,7 @@ def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_p
     assert tenants.limits[key_digest("key-a", tenants.secret)] == (6000, "standard")
     assert tenants.limits[key_digest("key-c", tenants.secret)] == (100, "")  # "" = any tier, over the default
     assert tenants.default_limits == (100, "batch")  # key-b: the [gateway] defaults
+    assert tenants.store_bytes == {key_digest("key-d", tenants.secret): 1000}  # the others: response_store_max_bytes
 
 
 @pytest.mark.parametrize("lines, says", [
@@ -198,6 +201,8 @@ def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_p
     ("\nkey-a key-b\n", "line 2: after the key, expected tokens_per_minute=N"),
     ("key-a strictest_tier=gold\n", "line 1: strictest_tier='gold' is not one of the tiers"),
     ("key-a\nkey-a tokens_per_minute=5\n", "line 2: the same key as"),
+    ("key-a response_store_bytes=-1\n", "response_store_bytes='-1' must be a whole number of bytes, at least 0"),
+    ("key-a\nkey-a response_store_bytes=5\n", "line 2: the same key as"),
 ])
 def test_a_bad_key_file_line_is_named_by_file_and_line_never_by_its_words(tmp_path, lines, says):
     (tmp_path / "keys.txt").write_text(lines)

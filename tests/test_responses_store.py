@@ -22,6 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from skyline.core import messages
+from skyline.core.config import KeyOptions
 from skyline.core.keys import Keys
 from skyline.gateway.response_store import ResponseStore
 from skyline.gateway.responses_api import input_items, page
@@ -231,7 +232,8 @@ def test_a_stored_response_belongs_to_the_key_that_made_it(gateways):
     assert client_for(a, "op").responses.retrieve(resp.id).id == resp.id  # operators see every tenant's
 
 
-@pytest.mark.parametrize("gateways", [{"api_keys": ("key-a", "key-b"), "response_store_max_bytes": 6000}],
+@pytest.mark.parametrize("gateways", [{"api_keys": ("key-a", "key-b", "key-c"), "response_store_max_bytes": 6000,
+                                       "key_options": (KeyOptions("key-c", "keys.txt line 3", response_store_bytes=100),)}],
                          indirect=True)
 def test_each_tenant_stores_at_most_its_bound(gateways, redis_url, key_prefix):
     a, _b, worker, pool = gateways
@@ -253,6 +255,12 @@ def test_each_tenant_stores_at_most_its_bound(gateways, redis_url, key_prefix):
     msg = take(worker, "disagg")
     worker.send(*worker.script(msg.request_id, ["ok"]))
     assert fut.result().status == "completed"
+    # A key whose line of the key file gives it its own bound.
+    fut = pool.submit(client_for(a, "key-c").responses.create, model=MODEL, input="mine")
+    msg = take(worker, "disagg")
+    worker.send(*worker.script(msg.request_id, ["ok"]))
+    with pytest.raises(openai.RateLimitError, match="of the 100 it may keep"):
+        fut.result()
     client.responses.delete(stored[0])
     fut = pool.submit(client.responses.create, model=MODEL, input="again")
     msg = take(worker, "disagg")

@@ -205,12 +205,14 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class KeyOptions:
     """A tenant key's own limits, from its line of api_key_file (`KEY tokens_per_minute=N
-    strictest_tier=TIER`); None = the [gateway] default (`tenant_tokens_per_minute`, ...)."""
+    strictest_tier=TIER response_store_bytes=N`); None = the [gateway] default
+    (`tenant_tokens_per_minute`, `tenant_strictest_tier`, `response_store_max_bytes`)."""
 
     key: str = field(repr=False)  # a secret: never in a repr or a message (`where` names the line instead)
     where: str = ""  # "FILE line N"
     tokens_per_minute: int | None = None  # 0 = no budget, whatever the default
     strictest_tier: str | None = None  # "" = any tier, whatever the default
+    response_store_bytes: int | None = None  # its stored responses' bound; 0 = none, whatever the default
 
     @property
     def limits(self) -> tuple[int | None, str | None]:
@@ -218,7 +220,7 @@ class KeyOptions:
 
     @property
     def has_options(self) -> bool:
-        return self.limits != (None, None)
+        return self.limits != (None, None) or self.response_store_bytes is not None
 
 
 @dataclass(frozen=True)
@@ -472,7 +474,7 @@ def _tier(name: str, values: dict[str, Any]) -> Tier:
     return Tier(name=name, **values)
 
 
-KEY_OPTIONS = ("tokens_per_minute", "strictest_tier")
+KEY_OPTIONS = ("tokens_per_minute", "strictest_tier", "response_store_bytes")
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -482,7 +484,8 @@ def read_key_file(path: str) -> tuple[str, ...]:
 
 
 def read_key_lines(path: str) -> tuple[KeyOptions, ...]:
-    """Each line of an API key file: `KEY [tokens_per_minute=N] [strictest_tier=TIER]  # comment`.
+    """Each line of an API key file: `KEY [tokens_per_minute=N] [strictest_tier=TIER]
+    [response_store_bytes=N]  # comment`.
 
     A bad line is a ConfigError naming the file and the line, never the key, nor a word that might
     be one (two keys on a line, a key with `=` in it): only option values are quoted. Tier names
@@ -501,12 +504,13 @@ def read_key_lines(path: str) -> tuple[KeyOptions, ...]:
             if not eq or name not in KEY_OPTIONS:
                 guess = difflib.get_close_matches(name, KEY_OPTIONS, n=1)
                 hint = f" (did you mean {guess[0]}?)" if guess and eq else ""
-                raise ConfigError(f"{where}: after the key, expected tokens_per_minute=N or strictest_tier=TIER{hint}; "
+                raise ConfigError(f"{where}: after the key, expected tokens_per_minute=N, strictest_tier=TIER or "
+                                  f"response_store_bytes=N{hint}; "
                                   "the word is not shown, it may be a key (one key per line)")
             options[name] = _key_option(where, name, value)
         entry = KeyOptions(words[0], where, **options)
         seen = first.setdefault(entry.key, entry)
-        if seen.limits != entry.limits:  # which line would hold? Neither: say so
+        if (seen.limits, seen.response_store_bytes) != (entry.limits, entry.response_store_bytes):  # which would hold?
             raise ConfigError(f"{where}: the same key as {seen.where}, with other options")
         out.append(entry)
     return tuple(out)
@@ -521,8 +525,9 @@ def _key_option(where: str, name: str, value: str) -> int | str:
     except ValueError:
         number = -1
     if number < 0:
-        raise ConfigError(f"{where}: tokens_per_minute={shown!r} must be a whole number of tokens, "
-                          "at least 0 (0 = no budget)")
+        what = "bytes" if name == "response_store_bytes" else "tokens"
+        raise ConfigError(f"{where}: {name}={shown!r} must be a whole number of {what}, "
+                          "at least 0 (0 = no bound)")
     return number
 
 
