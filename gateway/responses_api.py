@@ -287,8 +287,13 @@ class ResponsesApi:
         """A background stream's events as SSE, from Redis (as they come, until its end)."""
         st = self.store()
         index = 0 if starting_after is None else starting_after + 1
+        checked = time.monotonic()
         while True:
             events, status = await st.events_after(rid, index)
+            if status in ACTIVE and time.monotonic() - checked >= RENEW_S:  # is its gateway still there?
+                checked = time.monotonic()
+                if (rec := await st.get(rid)) is not None and await self._fail_orphan(st, rec):
+                    continue
             ended = status is None or status not in ACTIVE
             if ended:  # events written before the status changed: all of them now
                 events, _ = await st.events_after(rid, index)
@@ -320,12 +325,21 @@ class ResponsesApi:
         rec = await _redis(st.get(rid))
         if rec is None or not tenant.owns(rec.owner):
             raise ApiError(404, f"Response with id '{rid}' not found.", param=param)
-        if rec.lease_lapsed(int(time.time() * 1000)):  # its gateway died: it will not end by itself
-            await _redis(st.mark(rec, "failed", with_error(rec.response, "failed", "server_error",
-                                                           "the gateway running this background response stopped "
-                                                           "before it finished")))
+        if await _redis(self._fail_orphan(st, rec)):
             rec = await _redis(st.get(rid)) or rec
         return rec
+
+    async def _fail_orphan(self, st: ResponseStore, rec: StoredResponse) -> bool:
+        """A background response whose gateway died (its lease lapsed) will not end by itself: it is
+        marked failed (a stream gets an `error` event to end on). Whether it was."""
+        if not rec.lease_lapsed(int(time.time() * 1000)):
+            return False
+        why = "the gateway running this background response stopped before it finished"
+        if not await st.mark(rec, "failed", with_error(rec.response, "failed", "server_error", why)):
+            return False
+        if rec.stream:
+            await st.append_events(rec.id, [_event_json("error", "server_error", why, None, -1)])
+        return True
 
     def _caller(self, request: Request) -> Tenant:
         tenant = self.tenants.authenticate(request)

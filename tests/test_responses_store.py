@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -308,16 +309,28 @@ def test_stored_responses_survive_a_gateway_restart_and_a_dead_gateways_backgrou
             asyncio.run(_orphan(redis_url, keys, "resp_orphan"))
             lost = client.responses.retrieve("resp_orphan")
             assert lost.status == "failed" and "stopped" in lost.error.message
+            # A reader of a background stream whose gateway dies while it reads: the stream ends with an error.
+            asyncio.run(_orphan(redis_url, keys, "resp_orphan_stream", stream=True,
+                                lease_ms=int(time.time() * 1000) + 1500))
+            with httpx.stream("GET", f"{gw.url}/v1/responses/resp_orphan_stream", params={"stream": "true"},
+                              timeout=15) as resp:
+                events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+            assert [e["type"] for e in events] == ["response.created", "error"] and "stopped" in events[-1]["message"]
+            assert client.responses.retrieve("resp_orphan_stream").status == "failed"
 
 
-async def _orphan(redis_url: str, keys: Keys, rid: str) -> None:
-    """A background response whose gateway is gone: its record, with a lease that ended."""
+async def _orphan(redis_url: str, keys: Keys, rid: str, stream: bool = False, lease_ms: int = 1) -> None:
+    """A background response whose gateway is gone: its record, with a lease that ends at `lease_ms`."""
     r = aioredis.from_url(redis_url)
     try:
         body = {"id": rid, "object": "response", "status": "queued", "output": [], "created_at": 1, "model": MODEL,
                 "background": True, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
-        await ResponseStore(r, keys, 600, 0).create(rid, "", "queued", body, [], [], background=True)
-        await r.hset(keys.response(rid), "lease_ms", 1)
+        st = ResponseStore(r, keys, 600, 0)
+        await st.create(rid, "", "queued", body, [], [], background=True, stream=stream)
+        if stream:
+            await st.append_events(rid, [json.dumps({"type": "response.created", "sequence_number": 0,
+                                                     "response": body})])
+        await r.hset(keys.response(rid), "lease_ms", lease_ms)
     finally:
         await r.aclose()
 
