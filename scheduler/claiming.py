@@ -25,22 +25,34 @@ and only looser tiers wait, it looks again every `RECHECK_S`.
 
 Who claims first (`claim_defer_s`): every worker blocked on the streams wakes
 for a new entry at once, and whichever answers first takes it. A worker whose
-engine already computes prompts waits before it claims one more prompt, for
-about as long as its engine needs for what it holds (at most `CLAIM_DEFER_MAX_S`),
-so an engine computing nothing, or less, takes the prompt first: join the
-shortest queue, decided by the workers themselves. Measured on the two-engine
-fleet (vllm bench serve, 128/32 at 2 req/s), without it the engine already
-computing won four prompts in a row while its peer only decoded. Work that needs
-no prompt computed (a KV hand-off) and work of a stricter tier than anything the
-engine computes (it would preempt) are claimed at once.
+engine already computes prompts waits before it claims one more prompt when a
+live peer of the prompt's stage, as its last heartbeat said, would be free of
+its own prompts sooner (`freest_peers`), for the difference of their times to
+free (at most `CLAIM_DEFER_MAX_S`): so an engine computing nothing, or less,
+takes the prompt first: join the shortest queue, decided by the workers
+themselves. Measured on the two-engine fleet (vllm bench serve, 128/32 at
+2 req/s), without it the engine already computing won four prompts in a row
+while its peer only decoded. A worker with no freer peer claims at once: when
+every engine computes, waiting would only leave the prompt queued, and a fleet
+whose every engine waits claims fewer prompts than arrive.
+Its own time counts the tokens its engine has left (`tokens_left`: the
+engine's count where it reports one, else an estimate from the claims'
+times at the measured rate), and the worker stops waiting as soon as one of
+its prompts gets its first token or leaves (the live claim loop wakes on an
+event; the simulated worker the same). Work that needs no prompt computed (a
+KV hand-off) and work of a stricter tier than anything the engine computes (it
+would preempt) are claimed at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
+from skyline.scheduler.elastic import STAGES_OF_ROLE, has_room
 from skyline.scheduler.preemption import Shield
+from skyline.scheduler.throughput import rate_or_prior
 
 # A full worker holding prompts re-checks the heads of its tier streams for a request that would be
 # late (fleet-level preemption), and a shielded worker whose tiers have nothing waiting looks again,
@@ -53,16 +65,94 @@ RECHECK_S = 0.05
 CLAIM_DEFER_MAX_S = 0.25
 
 
-def claim_defer_s(prefill_tokens: int, rank: int, computing_tokens: int, computing_ranks: Iterable[int],
-                  tokens_per_s: float, max_s: float = CLAIM_DEFER_MAX_S) -> float:
+def claim_defer_s(prefill_tokens: int, rank: int, left_tokens: int, computing_ranks: Iterable[int],
+                  tokens_per_s: float, peer_free_s: float | None, max_s: float = CLAIM_DEFER_MAX_S) -> float:
     """How long a worker waits before claiming a head of `prefill_tokens` prompt tokens to compute, of tier
-    rank `rank`, while its engine computes prompts of `computing_tokens` tokens of ranks `computing_ranks`
-    at `tokens_per_s`: the time its engine needs for them, at most `max_s`; 0 = claim it now."""
-    if max_s <= 0 or prefill_tokens <= 0 or computing_tokens <= 0 or tokens_per_s <= 0:
+    rank `rank`, while its engine has `left_tokens` tokens left to compute (`tokens_left`) of prompts of
+    ranks `computing_ranks`, at `tokens_per_s`; `peer_free_s`: when the freest live peer that may claim the
+    head is free of its own prompts, in seconds from its heartbeat (`FreestPeers.free_s`; None: no peer).
+    The difference of the two times to free, at most `max_s`; 0 = claim it now (no peer frees sooner)."""
+    if max_s <= 0 or prefill_tokens <= 0 or left_tokens <= 0 or tokens_per_s <= 0 or peer_free_s is None:
         return 0.0
     if rank < min(computing_ranks, default=rank):
         return 0.0  # stricter than anything computing here: it may preempt (scheduler/preemption.py)
-    return min(max_s, computing_tokens / tokens_per_s)
+    wait = left_tokens / tokens_per_s - peer_free_s
+    return min(max_s, wait) if wait > 0 else 0.0
+
+
+def tokens_left(prompts: Iterable[tuple[int, float, int | None]], tokens_per_s: float, now: float) -> int:
+    """Prompt tokens an engine has yet to compute of `prompts`, each (its prompt tokens, when it was claimed,
+    in seconds, the tokens its engine reports computed, None when it does not tell). Reported progress
+    counts as it is; the rest is estimated as computed one prompt after another in claim order, each from
+    its claim at the earliest, at `tokens_per_s` (the measured rate: claim to first token per busy
+    second; vLLM gives the prompts it started their share of a step first). No rate: the whole prompts."""
+    left = 0
+    unknown: list[tuple[float, int]] = []
+    for tokens, claimed_s, computed in prompts:
+        if computed is not None:
+            left += max(0, tokens - computed)
+        else:
+            unknown.append((claimed_s, tokens))
+    if not unknown:
+        return left
+    if tokens_per_s <= 0:
+        return left + sum(tokens for _s, tokens in unknown)
+    unknown.sort(key=lambda p: p[0])  # (stable: claims of one instant keep their order)
+    free_at = unknown[0][0]
+    for claimed_s, tokens in unknown:
+        free_at = max(free_at, claimed_s) + tokens / tokens_per_s
+    return left + max(0, round((free_at - now) * tokens_per_s))
+
+
+class PeerCompute(Protocol):
+    """What a peer's heartbeat says of its prompts (the live `WorkerInfo`, or a simulated worker's)."""
+
+    worker_id: str
+    role: str
+    running: int
+    max_running: int
+    kv_usage: float
+    kv_watermark: float  # 0: it claims at any KV usage
+    running_tokens: int  # prompt tokens its engine is computing (a prefill worker: every prompt it holds)
+    tokens_per_s: float  # its measured prompt rate (0: not measured yet)
+
+
+@dataclass(frozen=True)
+class FreestPeers:
+    """For each stage, the two workers that may claim its prompts and are free of their own first, as their
+    heartbeats said: (seconds to free, worker id), freest first. Two, so that every worker finds its
+    freest peer other than itself in one look, however large the fleet."""
+
+    by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+
+    def free_s(self, me: str, stage: str) -> float | None:
+        """When the freest peer of worker `me` that may claim `stage`'s prompts is free, in seconds from its
+        heartbeat; None when it has no such peer."""
+        for seconds, worker_id in self.by_stage.get(stage, ()):
+            if worker_id != me:
+                return seconds
+        return None
+
+
+NO_PEERS = FreestPeers()
+
+
+def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_per_s: float) -> FreestPeers:
+    """Read the workers' heartbeats (`peers`, the live ones) once, for every claim until the next: for each
+    stage, the two that free their engines of their prompts first (running_tokens at their measured rate,
+    or `prior_tokens_per_s` before any), among those that would claim one more (`elastic.has_room`: the
+    count, the prompt-token budget `prompt_budget`, the KV watermark)."""
+    best: dict[str, list[tuple[float, str]]] = {}
+    for p in peers:
+        if not has_room(p, prompt_budget):
+            continue
+        seconds = p.running_tokens / rate_or_prior(p.tokens_per_s, prior_tokens_per_s)
+        for stage in STAGES_OF_ROLE.get(p.role, ()):
+            two = best.setdefault(stage, [])
+            two.append((seconds, p.worker_id))
+            two.sort()
+            del two[2:]
+    return FreestPeers({stage: tuple(two) for stage, two in best.items()})
 
 
 @dataclass(frozen=True)

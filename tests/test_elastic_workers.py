@@ -30,7 +30,10 @@ async def test_two_elastic_workers_serve_both_routes_exactly_once_and_both_engin
         for rt in rts:  # each knows its peer before the first prompt is placed
             while len(rt.peers) < 2:
                 await asyncio.sleep(0.05)
-        reqs = [gen_request(f"long-{i}", list(range(1, 400)), 12) for i in range(6)]  # the prefill streams
+        # The prefill streams' prompts, each under a step (256 tokens): while both engines compute one, each
+        # still has room in its next step for a hand-off (`decoder_for`'s step room); with longer ones both
+        # engines, claiming as soon as no peer would be free sooner (the claim defer), rarely do.
+        reqs = [gen_request(f"long-{i}", list(range(1, 200)), 12) for i in range(6)]
         reqs += [gen_request(f"short-{i}", list(range(1, 30)), 12, route="colocated") for i in range(10)]
         results = await _serve_all(client, keys, reqs)
         for req, frames in zip(reqs, results):

@@ -5,7 +5,7 @@ live code the same question in the same state, and compares the answers:
 
   - the live side is the real code: `WorkerRuntime` (its claim-room check, the tiers a shield lets it claim
     and the shield's lift, the preemption victims it picks and their order, its measured-rate-or-prior,
-    how long it waits before a claim: `_claim_defer`),
+    how long it waits before a claim: `_claim_defer`, with the peers as the heartbeats said: `see_peers`),
     `TierQueues` (the retry lane's tie, EDF over the heads), `DecodeHandler._plan` (the KV handle's expiry),
     the vLLM scheduler hook (the step shape and its held-steps counter), and the gateway's
     `apply_admission` and `learn` (admission, demotion, the calibration hook). No Redis and no engine: its
@@ -67,12 +67,16 @@ class _Engine:
     def stats(self):
         return SimpleNamespace(kv_usage=self.kv_usage(), waiting=0)
 
+    def computed_tokens(self, request_id):
+        return None  # vLLM does not report a prompt's progress: the claim defer estimates it, as simulated
+
 
 def _config(role: str, admission: bool = False, **worker) -> SkylineConfig:
     cfg = SkylineConfig()
     # heartbeat_s 0: the simulated worker re-reads its meter at every decision, as the live one does (in a
-    # simulated fleet it reads it once per heartbeat, as the fleet view sees it: a modelled staleness).
-    return replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-twin", heartbeat_s=0.0, **worker),
+    # simulated fleet it reads it once per heartbeat, as the fleet view sees it: a modelled staleness). The
+    # live worker's id is the simulated one's: it finds itself among the heartbeats both read.
+    return replace(cfg, worker=replace(cfg.worker, role=role, worker_id=f"{role}-0", heartbeat_s=0.0, **worker),
                    gateway=replace(cfg.gateway, admission=admission, min_remote_prefill_tokens=0),
                    observability=replace(cfg.observability, timeline=False, log_events=False))
 
@@ -162,7 +166,26 @@ class LiveTwin:
 def _live(cfg: SkylineConfig, sim: Simulation, q, monkeypatch, kv_usage=lambda: 0.0) -> LiveTwin:
     monkeypatch.setattr(live_runtime, "now_ms", lambda: int(sim.loop.now * 1000))
     monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: sim.loop.now, time=time.time))
-    return LiveTwin(WorkerRuntime(cfg, _Engine(kv_usage), "m"), sim, q)
+    twin = LiveTwin(WorkerRuntime(cfg, _Engine(kv_usage), "m"), sim, q)
+    real_refresh = sim._refresh
+
+    def refresh(arg=None):
+        real_refresh(arg)
+        twin.rt.see_peers(sim.peers)  # the live worker reads the heartbeats the simulated ones read
+
+    sim._refresh = refresh  # (the refresh re-arms itself through the attribute)
+    return twin
+
+
+def _peer_of(sim: Simulation, role: str, loads: list[tuple[float, int]]) -> None:
+    """A peer of the twin's stage in the heartbeats both read (no simulated worker behind it: it claims
+    nothing), whose engine computes `tokens` prompt tokens from each `(time, tokens)` on: the claim
+    defer weighs the twin's tokens left against it."""
+    beat = SimpleNamespace(worker_id=f"{role}-peer", role=role, running=0, max_running=sim.worker_cfg.max_running,
+                           kv_usage=0.0, kv_watermark=0.0, running_tokens=0, tokens_per_s=0.0)
+    sim.peers.append(beat)
+    for at, tokens in loads:
+        sim.loop.at(at, lambda _arg, n=tokens: setattr(beat, "running_tokens", n))
 
 
 def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> None:
@@ -199,18 +222,23 @@ def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> Non
             twin.hold(head)  # the live worker starts the request after its preemption check
         return out
 
-    def claim_defer(w, item, computing_tokens, held):
-        got = real_defer(w, item, computing_tokens, held)
+    def claim_defer(w, q, item, held):
+        got = real_defer(w, q, item, held)
         if w is not worker:
             return got
         req = item[0]
         # The head as the live worker's peek reads it: no prompt to compute for decode work with a KV handle.
         head = Head(req.tier, int(req.deadline * 1000), req.prompt_tokens, request_id=_rid(req),
-                    prefill_tokens=0 if item[1] is not None else req.backlog_tokens)
+                    prefill_tokens=0 if item[1] is not None else req.backlog_tokens, stage=q.stage)
         live = twin.rt._claim_defer(head)
         assert got == live, (f"claim defers differ at {w.sim.loop.now:.3f} s for {_rid(req)}: "
                              f"simulated {got}, live {live}")
         log.append(("defer", live))
+        rt = twin.rt
+        computing = rt.held.computing_prompts()
+        if (not live and computing and head.prefill_tokens and rt.freest.free_s(rt.worker_id, q.stage) is not None
+                and rt.tier_rank[req.tier] >= min(rt.tier_rank[h.request.tier] for h in computing)):
+            log.append(("no_freer_peer", _rid(req)))  # computing, a peer of the stage, yet no wait: it frees later
         return got
 
     monkeypatch.setattr(module, "claim_for", claim_for)
@@ -255,6 +283,8 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
         log.append(("rate", measured_rate(w)))
 
     w._finish = finish
+    # A peer computing nothing, then 0.3 s of prompts (as its heartbeats say): the twin waits for it, less, or not.
+    _peer_of(sim, "prefill", [(0.0, 0), (2.5, 300)])
     reqs = [
         # Each claim after the first waits out the claim defer (0.25 s: the prompts computing take longer).
         _request(0, "batch", 0.000, 1200), _request(1, "batch", 0.001, 800), _request(2, "standard", 0.002, 300),
@@ -276,6 +306,7 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
     defers = {v for k, v in log if k == "defer"}
     assert 0.0 in defers and cfg.worker.claim_defer_max_s in defers, defers  # a stricter tier at once; capped
     assert any(0 < d < cfg.worker.claim_defer_max_s for d in defers), defers  # the engine's time for its prompts
+    assert any(k == "no_freer_peer" for k, _v in log)  # the peer busier: claimed at once
 
 
 # -- the decode worker: room (budget, KV, pace), local prompts' preemption, step shape -----------------------
@@ -311,6 +342,7 @@ def _decode_scenario(monkeypatch, steps: bool):
     w._join, sim.on_done = join, on_done
     if steps:
         _watch_steps(w, log, monkeypatch)
+    _peer_of(sim, "decode", [(0.0, 0), (1.5, 300), (19.0, 0)])  # computing nothing, then 0.3 s, then nothing
     rag, chat = dict(ttft_ms=5_000, tpot_ms=300), dict(ttft_ms=900, tpot_ms=120)
     reqs = [
         _request(0, "standard", 0.0, 600, out=30, **rag), _request(1, "interactive", 0.05, 400, out=40, **chat),
@@ -422,6 +454,7 @@ def test_the_decode_worker_decides_as_the_live_one(monkeypatch):
     assert ("claim", None) in log  # a shield held a claim back
     defers = {v for k, v in log if k == "defer"}
     assert 0.0 in defers and any(d > 0 for d in defers), defers  # waits before a claim, and none
+    assert any(k == "no_freer_peer" for k, _v in log)  # the peer busier: claimed at once
 
 
 def test_the_decode_engine_shapes_its_steps_as_the_live_scheduler_hook(monkeypatch):

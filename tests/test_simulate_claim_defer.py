@@ -1,9 +1,11 @@
-"""Who claims a prompt first in the simulator: the live claim defer (scheduler/claiming.py `claim_defer_s`).
+"""Who claims a prompt first in the simulator: the live claim defer (scheduler/claiming.py "Who claims first").
 
-A worker whose engine computes prompts waits before it claims one more (about as long as its engine needs
-for them, at most `[worker] claim_defer_max_s`), so an engine computing nothing, or less, claims it first.
-Elastic engines on a hand-checkable model: prompts at 1,000 tokens/s (the prior rate the claim defer
-uses until a rate is measured), every prompt served whole where it is claimed (the colocated route).
+A worker whose engine computes prompts waits before it claims one more only while a peer, as the last
+heartbeat said (every simulated second), would be free of its own prompts sooner: for the difference of
+their times to free, at most `[worker] claim_defer_max_s`, its own counted in the tokens it has left
+(estimated from its claims' times at its measured rate); it claims as soon as one of its prompts is done.
+Elastic engines on a hand-checkable model: prompts at 1,000 tokens/s (the prior rate the claim defer uses
+until a rate is measured), every prompt served whole where it is claimed (the colocated route).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from dataclasses import replace
 import pytest
 
 from skyline.core.config import load_config
-from skyline.scheduler.claiming import CLAIM_DEFER_MAX_S
 from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
 from skyline.tools.simulate.request import SimRequest
 from tests.simmodels import HandModel
@@ -27,9 +28,9 @@ def _request(i: int, at: float, prompt: int, tier: str = "standard") -> SimReque
     return SimRequest(i, "chat", tier, at, prompt, 4, float("inf"), float("inf"))
 
 
-def _claims(reqs: list[SimRequest], engines: int = 2, cfg=CFG) -> dict[int, tuple[str, float]]:
+def _claims(reqs: list[SimRequest], engines: int = 2, cfg=CFG, model=MODEL) -> dict[int, tuple[str, float]]:
     """request index -> (the elastic worker that claimed it, when)."""
-    sim = Simulation(cfg, FleetSpec("elastic", 0, engines), MODEL, MODEL)
+    sim = Simulation(cfg, FleetSpec("elastic", 0, engines), model, model)
     claims: dict[int, tuple[str, float]] = {}
     for w in sim.decode_workers:
         def take(item, q, now, w=w, inner=w.take):
@@ -43,7 +44,8 @@ def _claims(reqs: list[SimRequest], engines: int = 2, cfg=CFG) -> dict[int, tupl
 
 
 # elastic-0 computes a 2,000-token prompt (2 s); elastic-1 claims a 100-token one (0.1 s), after which
-# the ready queue holds elastic-0 first: without the defer, the next prompt would go to it.
+# the ready queue holds elastic-0 first: without the defer, the next prompt would go to it. The
+# heartbeats of 0 s show both engines free.
 BUSY_FIRST = [_request(0, 0.0, 2_000), _request(1, 0.001, 100)]
 
 
@@ -53,11 +55,21 @@ def test_an_idle_engine_claims_a_new_prompt_before_the_one_computing():
     assert claims[2] == ("elastic-1", 0.5)  # computing nothing by then: at once
 
 
-def test_when_both_compute_the_one_with_less_to_compute_claims_after_its_defer():
+def test_when_both_compute_the_one_with_less_left_claims_when_it_is_done():
     claims = _claims([*BUSY_FIRST, _request(2, 0.01, 300)])
-    # elastic-0 would wait 0.25 s (2 s of prompt, capped), elastic-1 0.1 s (100 tokens): it sleeps, then claims.
+    # elastic-0 would wait 0.25 s (1.99 s left, capped), elastic-1 its 91 tokens left: it claims then, at the
+    # end of its prompt (the tokens left, not the whole prompt's 0.1 s).
     name, at = claims[2]
-    assert name == "elastic-1" and at == pytest.approx(0.01 + 100 / RATE)
+    assert name == "elastic-1" and at == pytest.approx(0.001 + 100 / RATE)
+
+
+def test_a_worker_no_peer_would_beat_claims_at_once():
+    """Past the heartbeat of 1 s, which saw elastic-0 computing 1,900 tokens and elastic-1 1,000: a prompt
+    at 1.05 s goes to elastic-1 at once (0.9 s left against its peer's 1.9 s), though elastic-0 waited
+    longer for work and both compute."""
+    claims = _claims([_request(0, 0.9, 1_900), _request(1, 0.95, 1_000), _request(2, 1.05, 300)])
+    assert claims[0][0] == "elastic-0" and claims[1][0] == "elastic-1"
+    assert claims[2] == ("elastic-1", 1.05)
 
 
 def test_with_the_defer_off_the_longest_waiting_worker_claims_at_once():
@@ -71,11 +83,20 @@ def test_a_stricter_tier_than_anything_computing_is_claimed_at_once():
     assert claims[2] == ("elastic-0", 0.01)  # it may preempt: no wait, whoever waited longest
 
 
-def test_a_worker_claiming_again_right_after_a_claim_waits_too():
+def test_a_worker_without_peers_never_waits():
     """One engine, full (a prompt over the 2,048-token budget) while two prompts queue: when its prompt is
-    done it claims the first at once (it computes nothing), and the second after the first's time."""
+    done it claims the first, and the second right after, though it computes the first: no engine would
+    take it sooner."""
     long, a, b = _request(0, 0.0, 2_100), _request(1, 0.01, 200), _request(2, 0.02, 300)
     claims = _claims([long, a, b], engines=1)
     done = 2_100 / RATE
-    assert claims[1][1] == pytest.approx(done)
-    assert claims[2][1] == pytest.approx(done + min(CLAIM_DEFER_MAX_S, 200 / RATE))
+    assert claims[1][1] == pytest.approx(done) and claims[2][1] == pytest.approx(done)
+
+
+def test_a_waiting_worker_claims_as_soon_as_its_prompt_is_done():
+    """Engines twice as fast as the prior rate the defer estimates with: each would wait its capped 0.25 s
+    at 0.3 s, but elastic-0's prompt is done at 0.5 s, and it claims then, not at 0.55 s."""
+    fast = HandModel("e", 2 * RATE, step_s=0.01)
+    reqs = [_request(0, 0.0, 1_000), _request(1, 0.001, 1_000), _request(2, 0.3, 300)]
+    claims = _claims(reqs, model=fast)
+    assert claims[2] == ("elastic-0", pytest.approx(0.5))

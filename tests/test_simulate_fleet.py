@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ MEASURED = ROOT / "benchmarks" / "2026-11-30-quick" / "results.json"
 PROFILES = ROOT / "skyline" / "tools" / "simulate" / "profiles"
 # The measured runs below predate the background step (scheduler/step_budget.py): their engines stepped full.
 AS_MEASURED = with_overrides(load_config(None), background_step_tokens=0, hold_background_steps=0)
-
-
-def _claiming_at_once(cfg):
-    """`cfg` with the claim defer off (`[worker] claim_defer_max_s` 0): the cases below isolate another rule,
-    hand-computed for a worker that claims each prompt as it arrives (the defer spaces a busy worker's claims
-    by up to 0.25 s: tests/test_simulate_claim_defer.py)."""
-    return replace(cfg, worker=replace(cfg.worker, claim_defer_max_s=0.0))
 
 
 def test_distserve_disaggregation_serves_several_times_more_per_gpu():
@@ -126,7 +118,7 @@ def test_calibration_of_the_disaggregated_fleet_with_engines_on_their_own_cores(
 def test_preemption_lets_an_interactive_prompt_overtake_long_batch_prompts():
     """Six long batch-tier prompts hold the prefill worker; an interactive one arrives 50 ms later."""
     m = roofline("A100", "opt-13b", max_step_tokens=512)
-    cfg = _claiming_at_once(with_overrides(load_config(None), admission=False, min_remote_prefill_tokens=0))
+    cfg = with_overrides(load_config(None), admission=False, min_remote_prefill_tokens=0)
     for preemption, expect_fast in ((True, True), (False, False)):
         cfg2 = with_overrides(cfg, preemption=preemption)
         rag = [SimRequest(i, "rag", "batch", 0.0, 1900, 8, 1e9, 1e9) for i in range(6)]
@@ -231,8 +223,8 @@ def test_an_engine_that_has_not_seen_the_strictest_tier_steps_full():
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
     rag = SimRequest(0, "rag", "batch", 0.0, 1500, 4, 1e9, 1e9)
     other = SimRequest(1, "chat", "batch", 0.3, 30, 4, 1e9, 1e9)
-    sim = Simulation(_claiming_at_once(with_overrides(load_config(None), admission=False)),
-                     FleetSpec("colocated", 0, 1), m, m, overhead_s=0)
+    sim = Simulation(with_overrides(load_config(None), admission=False), FleetSpec("colocated", 0, 1), m, m,
+                     overhead_s=0)
     sim.run([rag, other], drain_s=60)
     assert other.ttft_s == pytest.approx(0.466, abs=1e-6)
 
@@ -245,8 +237,7 @@ def test_holding_is_bounded_so_background_prompts_still_progress():
     m = HandModel("hand", prefill_tokens_per_s=1000, max_step_tokens=256, step_s=0.0)
     done = {}
     for hold in (4, 10_000, 0):
-        cfg = _claiming_at_once(with_overrides(load_config(None), admission=False, preemption=False,
-                                               hold_background_steps=hold))
+        cfg = with_overrides(load_config(None), admission=False, preemption=False, hold_background_steps=hold)
         rag = SimRequest(0, "rag", "batch", 0.0, 1500, 1, 1e9, 1e9)
         chats = [SimRequest(1 + i, "chat", "interactive", 0.05 + 0.1 * i, 200, 1, 1e9, 1e9) for i in range(60)]
         sim = Simulation(cfg, FleetSpec("colocated", 0, 1), m, m, overhead_s=0)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from skyline.core import messages
 from skyline.core.stage_queues import stage_of_message
@@ -69,6 +69,9 @@ class HeldRequest:
     serve_as: str = ""
     decode_on: str | None = None  # serve_as "prefill": the peer its hand-off is placed for (None: any)
     decode_placed: str = ""  # why an elastic worker decodes it here or on `decode_on` (scheduler/elastic.py)
+    claimed_s: float = 0.0  # when the worker took it (monotonic s): the claim defer estimates its progress from it
+    # Called when its prompt stops taking this engine's step budget (its table's `freed`).
+    on_freed: Callable[[], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.serve_as = self.serve_as or self.stage
@@ -129,10 +132,18 @@ class HeldRequest:
         wait for the decode worker), so it is no preemption victim any more."""
         if self.phase is Phase.COMPUTING:
             self.phase = Phase.HANDING_OFF
+            self._freed()
 
     def first_token(self) -> None:
         """Decode: the first token is out; a prompt computed here no longer holds the step budget."""
+        was = self.phase
         self.phase = Phase.DECODING
+        if was is Phase.COMPUTING:
+            self._freed()
+
+    def _freed(self) -> None:
+        if self.on_freed is not None:
+            self.on_freed()
 
     def end_early(self, why: Exit) -> None:
         """The worker ends the request (`CANCELLED`, `HANDED_BACK`, `PREEMPTED`): cancel its task,
@@ -157,21 +168,29 @@ class HeldTable:
 
     A preempted or handed-back request can be claimed again, under the same id, before its old
     task has finished unwinding: the new record replaces the old one under the id, and the old one
-    is released without touching it. Both count in `prompt_tokens` until each is released."""
+    is released without touching it. Both count in `prompt_tokens` until each is released.
+
+    `freed` is set whenever a prompt stops taking the engine's step budget (its first token, its prompt
+    computed, or it leaves while computing): a claim loop waiting out its claim defer wakes on it
+    (scheduler/claiming.py "Who claims first")."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, HeldRequest] = {}
         self.prompt_tokens = 0
+        self.freed = asyncio.Event()
 
     def add(self, held: HeldRequest) -> None:
         self._by_id[held.request_id] = held
         self.prompt_tokens += held.prompt_tokens
+        held.on_freed = self.freed.set
 
     def release(self, held: HeldRequest) -> None:
         """Its task has ended (done, failed, cancelled, preempted, handed back): it is held no more."""
         if self._by_id.get(held.request_id) is held:
             del self._by_id[held.request_id]
         self.prompt_tokens -= held.prompt_tokens
+        if held.phase is Phase.COMPUTING:
+            self.freed.set()
 
     def get(self, request_id: str) -> HeldRequest | None:
         return self._by_id.get(request_id)
@@ -195,6 +214,10 @@ class HeldTable:
     def computing(self) -> list[HeldRequest]:
         """The prompts this engine computes and a preemption may abort, in claim order."""
         return [h for h in self._by_id.values() if h.computing]
+
+    def computing_prompts(self) -> list[HeldRequest]:
+        """The prompts in their computing phase (preempted ones until they unwind), in claim order."""
+        return [h for h in self._by_id.values() if h.phase is Phase.COMPUTING]
 
     def computing_tokens(self) -> int:
         """Prompt tokens of the prompts in their computing phase (preempted ones until they unwind):

@@ -41,7 +41,8 @@ from skyline.core.keys import Keys
 from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
-from skyline.scheduler.claiming import RECHECK_S, ClaimRoom, ClaimShield, claim_defer_s
+from skyline.scheduler.claiming import (NO_PEERS, RECHECK_S, ClaimRoom, ClaimShield, FreestPeers, claim_defer_s,
+                                        freest_peers, tokens_left)
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, tightest_target_ms
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.elastic import decoder_for
@@ -88,6 +89,7 @@ class WorkerRuntime:
         self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if "decode" in self.stages else None
         self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
         self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
+        self.freest: FreestPeers = NO_PEERS  # the peers that free their engines first, of `peers` (claim defer)
         self.prefill_backlog = 0  # prompt tokens queued or computing for the prefill stage, same age
         self.held = HeldTable()  # every request this worker holds, one record each (workers/held.py)
         self.meter = ThroughputMeter()  # prompt tokens per busy second of the prompts computed here
@@ -206,13 +208,30 @@ class WorkerRuntime:
         return self.rules.has_room(self.room, self.held, lambda: self.engine.stats().kv_usage, self._pace_ok)
 
     def _claim_defer(self, head: Head) -> float:
-        """Seconds to wait before claiming `head`, so a worker computing less takes it first
-        (scheduler/claiming.py `claim_defer_s`)."""
-        computing = self.held.computing_tokens()
-        if not computing or not head.prefill_tokens:
-            return 0.0  # the rate is not asked for when there is nothing to decide
-        return claim_defer_s(head.prefill_tokens, self.tier_rank.get(head.tier, 99), computing,
-                             self.computing_ranks(), self.tokens_per_s(), self.cfg.worker.claim_defer_max_s)
+        """Seconds to wait before claiming `head`, so that a peer free sooner takes it first
+        (scheduler/claiming.py `claim_defer_s`): the tokens its engine has left against the freest peer's, as
+        their last heartbeats said. The wait ends early when one of its prompts frees the step budget
+        (`HeldTable.freed`, passed to the claim)."""
+        if not head.prefill_tokens or self.cfg.worker.claim_defer_max_s <= 0:
+            return 0.0
+        computing = self.held.computing_prompts()
+        if not computing:
+            return 0.0
+        peer_free_s = self.freest.free_s(self.worker_id, head.stage or self.stages[0])
+        if peer_free_s is None:
+            return 0.0  # no peer would take it sooner (the rate is not asked for when there is nothing to decide)
+        rate = self.tokens_per_s()
+        left = tokens_left([(h.prompt_tokens, h.claimed_s, self.engine.computed_tokens(h.request_id))
+                            for h in computing], rate, time.monotonic())
+        return claim_defer_s(head.prefill_tokens, self.tier_rank.get(head.tier, 99), left, self.computing_ranks(),
+                             rate, peer_free_s, self.cfg.worker.claim_defer_max_s)
+
+    def see_peers(self, peers: list[WorkerInfo]) -> None:
+        """The live workers as their heartbeats say (read once per beat): what elastic placement and the
+        claim defer read until the next."""
+        self.peers = peers
+        wc = self.cfg.worker
+        self.freest = freest_peers(peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
 
     def _pace_ok(self) -> bool:
         """The pace rule's verdict for the streams this worker decodes (scheduler/decode_room.py)."""
@@ -358,7 +377,8 @@ class WorkerRuntime:
                 continue
             tiers = self._claimable_tiers()
             try:
-                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take, defer=self._claim_defer)
+                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take, defer=self._claim_defer,
+                                                  wake=self.held.freed)
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -403,6 +423,7 @@ class WorkerRuntime:
     def hold(self, held: HeldRequest, task: asyncio.Task) -> None:
         """Count a claimed request as held from now: what the claim rule and preemption see."""
         held.task = task
+        held.claimed_s = time.monotonic()
         self.held.add(held)
 
     async def _cancel_if_tombstoned(self, held: HeldRequest) -> None:
@@ -521,8 +542,10 @@ class WorkerRuntime:
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
-        if self.elastic:  # what placing a prompt's decode reads (`_place_decode`), as fresh as the heartbeat
-            self.peers = await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s)
+        if self.elastic or self.cfg.worker.claim_defer_max_s > 0:
+            # What placing a prompt's decode (`_place_decode`) and the claim defer read, as fresh as the heartbeat.
+            self.see_peers(await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s))
+        if self.elastic:
             self.prefill_backlog = sum((await queued_tokens(self.redis, self.keys, "prefill")).values())
 
     async def _heartbeat_loop(self) -> None:

@@ -163,9 +163,10 @@ class WorkerConfig:
     # prefill: prompt tokens handed to the engine at once. Small on purpose: the
     # backlog waits in Redis in deadline order instead of inside one engine.
     prefill_token_budget: int = 2048
-    # A worker whose engine computes prompts waits up to this long (about as long as its engine needs
-    # for them) before claiming another prompt, so an engine computing nothing, or less, claims it
-    # first (scheduler/claiming.py `claim_defer_s`); 0 = claim at once, the first to answer wins.
+    # A worker whose engine computes prompts waits up to this long before claiming another prompt while a
+    # peer would be free of its own prompts sooner (for the difference), so an engine computing nothing,
+    # or less, claims it first (scheduler/claiming.py `claim_defer_s`); 0 = claim at once, the first to
+    # answer wins.
     claim_defer_max_s: float = CLAIM_DEFER_MAX_S
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from skyline.core import messages
-from skyline.core.streams import Claimed, Defer, Head, Take, TierQueues, now_ms
+from skyline.core.streams import Claimed, Defer, Head, Take, TierQueues, defer_claim, now_ms
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
 
@@ -82,12 +82,13 @@ class StageQueues:
         return out
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
-                    take: Take | None = None, defer: Defer | None = None) -> Claimed | None:
-        """Claim the head due first over every stage (`take`: for the decode stage's entries; `defer`: as
-        `TierQueues.claim`'s)."""
+                    take: Take | None = None, defer: Defer | None = None,
+                    wake: asyncio.Event | None = None) -> Claimed | None:
+        """Claim the head due first over every stage (`take`: for the decode stage's entries; `defer` and
+        `wake`: as `TierQueues.claim`'s)."""
         chosen = self.pick(await self.peek_all(block_ms), tiers)
         if chosen is not None and defer is not None and (wait := defer(chosen[1])) > 0:
-            await asyncio.sleep(wait)
+            await defer_claim(wait, wake)
             chosen = self.pick(await self.peek_all(0), tiers)
         if chosen is None:
             return None

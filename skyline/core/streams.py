@@ -33,6 +33,7 @@ class Head:
     stream: str = ""
     request_id: str = ""
     prefill_tokens: int = 0  # prompt tokens the claimer computes (0: a KV hand-off)
+    stage: str = ""  # the stage whose streams it is in
 
 
 @dataclass
@@ -51,6 +52,20 @@ class Claimed:
 Take = Callable[[str, str, str, str], Awaitable[tuple[str, dict, Any] | None]]
 # Seconds a worker waits before claiming a head it found (TierQueues.claim).
 Defer = Callable[["Head"], float]
+
+
+async def defer_claim(wait_s: float, wake: asyncio.Event | None) -> None:
+    """Wait `wait_s` before a claim (`Defer`), or until `wake` is set, whichever is first: the worker's
+    engine freed step budget meanwhile (workers/held.py `HeldTable.freed`), so it claims now."""
+    if wake is None:
+        await asyncio.sleep(wait_s)
+        return
+    wake.clear()  # what set it before this wait is in the state the wait was computed from
+    try:
+        await asyncio.wait_for(wake.wait(), wait_s)
+    except TimeoutError:
+        pass
+
 
 LANES_REFRESH_S = 1.0  # how often a consumer re-reads the affinity lanes and the live workers
 
@@ -322,7 +337,7 @@ class TierQueues:
                     continue
             prompt_tokens = int(fields[b"prompt_tokens"])
             head = Head(tier, int(fields[b"deadline_ms"]), prompt_tokens, key, _s(fields.get(b"id", b"")),
-                        int(fields.get(b"prefill_tokens", prompt_tokens)))
+                        int(fields.get(b"prefill_tokens", prompt_tokens)), self.stage)
             seen = heads.get(tier)
             if seen is None or self._due_first(head, seen):
                 heads[tier] = head
@@ -339,17 +354,19 @@ class TierQueues:
         return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
-                    take: Take | None = None, defer: Defer | None = None) -> Claimed | None:
+                    take: Take | None = None, defer: Defer | None = None,
+                    wake: asyncio.Event | None = None) -> Claimed | None:
         """Claim the next entry in EDF order (among `tiers` only, if given), or None if
         nothing arrived in `block_ms` (or only entries of other tiers are waiting).
         `take`: claims the entry with what the stage keeps beside it, in one round trip
         (a decode worker's run: workers/runs.py `Runs.take`); else a plain XREADGROUP.
         `defer`: seconds to wait before claiming a head, for a freer worker to take it first
-        (`scheduler.claiming.claim_defer_s`); the heads are read again after the wait."""
+        (`scheduler.claiming.claim_defer_s`), cut short when `wake` is set (`defer_claim`); the heads
+        are read again after the wait."""
         heads = await self.peek_heads(block_ms)
         tier = self.pick(heads, tiers)
         if tier is not None and defer is not None and (wait := defer(heads[tier])) > 0:
-            await asyncio.sleep(wait)
+            await defer_claim(wait, wake)
             heads = await self.peek_heads(0)
             tier = self.pick(heads, tiers)
         if tier is None:

@@ -145,6 +145,12 @@ class Engine(abc.ABC):
         (scheduler/stall.py); None: this engine cannot tell, and no stall is ever declared."""
         return None
 
+    def computed_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens of `request_id` computed so far (prefix-cache hits included), for the claim defer's
+        tokens left (scheduler/claiming.py `tokens_left`); None: this engine does not tell (or does not hold
+        it), and the worker estimates from the claim's time at its measured rate."""
+        return None
+
     def failure(self) -> str | None:
         """Why the engine can compute nothing more (its core process died), or None while it can."""
         return None

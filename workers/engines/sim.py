@@ -205,6 +205,10 @@ class SimEngine(Engine):
     def progress(self) -> tuple[int, int] | None:
         return len(self._by_id), self._steps
 
+    def computed_tokens(self, request_id: str) -> int | None:
+        seq = self._by_id.get(request_id)
+        return None if seq is None else seq.prefilled
+
     def failure(self) -> str | None:
         task = self._loop_task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:

@@ -25,9 +25,11 @@ live rules apply to them: claims stop at `prefill_token_budget` prompt
 tokens in the engine, and fleet-level preemption (`preempt.py`) aborts
 looser-tier ones for a request that would miss its deadline (at its claim,
 and for the stage's EDF head while the worker is full).
-While it computes prompts, it waits before claiming one more
-(`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`; live:
-`TierQueues.claim` sleeps), out of the ready queue, then claims what is due.
+While it computes prompts, it waits before claiming one more when a peer
+would be free sooner (`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`;
+live: `TierQueues.claim` sleeps), out of the ready queue, then claims what is
+due; it stops waiting when one of its prompts gets its first token or is
+preempted (live: `HeldTable.freed` wakes the claim loop).
 """
 
 from __future__ import annotations
@@ -130,8 +132,11 @@ class DecodeWorker:
         self.loop = sim.loop
         self._complete_cb = self._on_complete  # bound once: scheduled after every batch change
         self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
-        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps).
+        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps), on which stage's queues,
+        # and which sleep (a wake-up of an earlier one, cut short, finds another number).
         self.asleep = False
+        self.sleep_q: StageQueues | None = None
+        self.sleeps = 0
         self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- room and claims ---------------------------------------------------------------
@@ -198,7 +203,7 @@ class DecodeWorker:
         item = peek_for(self, q, self.local)
         if item is None:
             return None
-        wait = claim_defer(self, item, self.local_tokens, self.local)
+        wait = claim_defer(self, q, item, self.local)
         return (q, item, wait) if wait > 0 else None
 
     @property
@@ -206,24 +211,36 @@ class DecodeWorker:
         """Prompt tokens its engine computes: what the claim defer weighs."""
         return self.local_tokens
 
-    def wait_for(self, item: tuple) -> float:
-        """Seconds the worker would wait before claiming entry `item` (0: it claims it now)."""
-        return claim_defer(self, item, self.local_tokens, self.local) if self.local_tokens else 0.0
+    def wait_for(self, q: StageQueues, item: tuple) -> float:
+        """Seconds the worker would wait before claiming entry `item` of `q` (0: it claims it now)."""
+        return claim_defer(self, q, item, self.local) if self.local else 0.0
 
     def _sleep(self, q: StageQueues, wait: float) -> None:
         """Wait `wait` s before the next claim (live: `TierQueues.claim` sleeps), out of the ready queue."""
         self.asleep = True
+        self.sleep_q = q
+        self.sleeps += 1
         q.deferring += 1
         if self.in_ready:
             self.in_ready = False
             self.sim.decode_ready.remove(self)
-        self.loop.after(wait, self._wake, q)
+        self.loop.after(wait, self._wake, self.sleeps)
 
-    def _wake(self, q: StageQueues) -> None:
-        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again."""
+    def _wake(self, sleep: int) -> None:
+        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again.
+        A wake-up of a sleep already cut short (`_freed`) does nothing."""
+        if not self.asleep or sleep != self.sleeps:
+            return
         self.asleep = False
-        q.deferring -= 1
+        self.sleep_q.deferring -= 1  # type: ignore[union-attr]
+        self.sleep_q = None
         self.claim_while_room(woke=True)
+
+    def _freed(self) -> None:
+        """A prompt of its engine has its first token, is handed off or preempted: a worker waiting out a
+        defer claims now (live: `HeldTable.freed` wakes its claim loop)."""
+        if self.asleep:
+            self._wake(self.sleeps)
 
     def work_waiting(self) -> bool:
         """Is anything queued in the stages it consumes (an elastic worker: both)?"""
@@ -277,6 +294,8 @@ class DecodeWorker:
             if h.hand_to is None:
                 self._release_tpot(h.req)
             h.queue.push_retry(h.req, (h.req, None))  # back on its stage's retry lane, to be prefilled again
+        if victims and self.asleep:
+            self._freed()
         return len(victims)
 
     def _kv_arrived(self, req: SimRequest) -> None:
@@ -469,6 +488,7 @@ class DecodeWorker:
         ends = self.ends
         while ends and ends[0][0] <= self.k:
             self._leave(heapq.heappop(ends)[2], now)
+        finished = False
         for h, n in work:
             if h.aborted:
                 continue
@@ -477,9 +497,13 @@ class DecodeWorker:
                 self.local.remove(h)
                 self.local_tokens -= h.req.prompt_tokens
                 self._prompt_done(h, now)
+                finished = True
         if self.headroom > 0 and now - self.pace_at >= PACE_READ_S:
             self._read_pace()
-        self.claim_while_room()
+        if finished and self.asleep:
+            self._freed()  # (it claims as it wakes)
+        else:
+            self.claim_while_room()
         if self.local or self.joining:
             self._start_mixed()
             return

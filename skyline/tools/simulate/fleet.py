@@ -15,10 +15,12 @@ XREADGROUP do: an entry goes to the longest-waiting worker with room; a
 worker that frees room claims while it has some (`prefill_worker.py`,
 `decode_worker.py`). Who claims a prompt first (`scheduler.claiming.claim_defer_s`,
 `preempt.claim_defer`): a worker whose engine computes prompts waits before
-claiming one more, so the longest-waiting worker that would not wait takes a
-new entry; when every waiting worker would, the one with the shortest wait
-sleeps that long and claims then (unless a worker that waits less took it
-first), and each entry wakes one such worker (`_claimer`).
+claiming one more while a peer, as the heartbeats said, would be free sooner
+(`Simulation.freest`, read once per beat), so the longest-waiting worker that
+would not wait takes a new entry; when every waiting worker would, the one with
+the shortest wait sleeps that long and claims then (unless a worker that waits
+less took it first, or one of its prompts finished first: it wakes then), and
+each entry wakes one such worker (`_claimer`).
 
 Prefix caches and affinity (`prefix_cache=True`; requests with a chain, sessions.py): every
 engine has an LRU prefix cache (prefix_cache.py), and the gateway decides as
@@ -50,7 +52,7 @@ from skyline.core.config import SkylineConfig, prefill_cap
 from skyline.scheduler.admission import (
     TtftCalibration, decide, demoted, handoff_wait_ms, learn_ttft, pool_rate, prefill_is_faster, stage_of,
 )
-from skyline.scheduler.claiming import RECHECK_S, ClaimRoom
+from skyline.scheduler.claiming import NO_PEERS, RECHECK_S, ClaimRoom, FreestPeers, freest_peers
 from skyline.scheduler.disagg import DisaggPolicy, route
 from skyline.scheduler.elastic import HANDOFF_HOLD_MS
 from skyline.scheduler.preemption import PreemptionPolicy
@@ -182,11 +184,16 @@ class Simulation:
                                    for w in pool)
                        for role, pool in (("prefill", self.prefill_workers), ("decode", self.decode_workers))}
         self._all_beats = self._beats["prefill"] + self._beats["decode"]
-        # What an elastic worker reads of its peers to place a decode (scheduler.elastic.PeerLoad), as of
-        # their last heartbeat; and where a full worker looks for a head to preempt for.
-        self.peers = [SimpleNamespace(worker_id=w.name, role="elastic", running=0, max_running=cfg.worker.max_running,
-                                      kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark, running_tokens=0)
-                      for w in self.decode_workers] if self.elastic else []
+        # What every worker reads of its peers, as of their last heartbeat: an elastic worker to place a
+        # decode (scheduler.elastic.PeerLoad), every worker for its claim defer (`freest`, of
+        # scheduler.claiming.freest_peers); and where a full worker looks for a head to preempt for.
+        self.peers = [SimpleNamespace(worker_id=w.name, role=role, running=0, max_running=cfg.worker.max_running,
+                                      kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark if role != "prefill" else 0.0,
+                                      running_tokens=0, tokens_per_s=0.0)
+                      for role, pool in (("prefill", self.prefill_workers), (decode_role, self.decode_workers))
+                      for w in pool]
+        self._decode_peers = self.peers[len(self.prefill_workers):]
+        self.freest: FreestPeers = NO_PEERS
         self._preempt_pools: tuple = (((BothStages(self.prefill_q, self.decode_q), self.decode_workers),)
                                       if self.elastic else
                                       ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)))
@@ -336,8 +343,8 @@ class Simulation:
             return first
         q, item, best_s = wait
         if len(self.ranks_seen) < 2:
-            # One tier so far: a worker claims at once only when it computes nothing (the hot path: an
-            # attribute per worker; the waits are computed only to pick the shortest).
+            # One tier so far: a worker computing nothing claims at once (the hot path: an attribute per
+            # worker; the waits of the others are computed only when none is idle).
             for w in ready:
                 if not w.computing_tokens:
                     return w
@@ -347,7 +354,7 @@ class Simulation:
         for w in ready:
             if w is first:
                 continue
-            s = w.wait_for(item)
+            s = w.wait_for(q, item)
             if s <= 0:
                 return w
             if s < best_s:
@@ -415,10 +422,16 @@ class Simulation:
                 beat.running = w.B + w.arriving + len(w.local) + len(w.joining)
                 beat.kv_usage = (w.C + w.reserved) / w.kv_capacity
             self._loads = {role: StageLoads(beats, role) for role, beats in self._beats.items()}
-        for w, peer in zip(self.decode_workers, self.peers):  # elastic: each heartbeat as `_beat` fills it
+        for w, peer in zip(self.prefill_workers, self.peers):  # each heartbeat as the live `_beat` fills it
+            peer.running, peer.running_tokens, peer.tokens_per_s = len(w.held), w.tokens_held, w.rate_cache[1]
+        for w, peer in zip(self.decode_workers, self._decode_peers):
             peer.running = w.B + w.arriving + len(w.local) + len(w.joining)
             peer.kv_usage = (w.C + w.reserved) / w.kv_capacity
             peer.running_tokens = w.local_tokens
+            peer.tokens_per_s = w.rate_cache[1]
+        if self.defers:  # what each worker's claim defer reads until the next beat (live: `see_peers`)
+            wc = self.worker_cfg
+            self.freest = freest_peers(self.peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)

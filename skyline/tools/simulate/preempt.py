@@ -12,16 +12,20 @@ claimed and, while the worker is full, for the EDF head of its stage every
 their work here is done, or their deadline passes.
 
 Who claims first (`scheduler.claiming.claim_defer_s`, as the live `WorkerRuntime._claim_defer`): a
-worker whose engine computes prompts waits about as long as they take before claiming one more
-prompt (`claim_defer`, on the entry `peek_for` shows it), so that an engine computing less claims it
-first; a KV hand-off, or a tier stricter than anything computing, is claimed at once.
+worker whose engine computes prompts waits before claiming one more prompt (`claim_defer`, on the
+entry `peek_for` shows it) when a peer of the prompt's stage, as its last heartbeat said
+(`Simulation.freest`), is free of its own prompts sooner: for the difference, so that an engine computing
+less claims it first. Its own time is the tokens left as the live vLLM worker estimates them
+(`scheduler.claiming.tokens_left` from the claims' times at its measured rate: vLLM does not report a
+prompt's progress). A KV hand-off, a tier stricter than anything computing, or a prompt no peer would
+take sooner is claimed at once.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from skyline.scheduler.claiming import claim_defer_s
+from skyline.scheduler.claiming import claim_defer_s, tokens_left
 from skyline.scheduler.preemption import Waiting, victims
 from skyline.scheduler.throughput import rate_or_prior
 from skyline.tools.simulate.request import SimRequest
@@ -104,12 +108,19 @@ def peek_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) -
             return None
 
 
-def claim_defer(worker: PrefillWorker | DecodeWorker, item: tuple, computing_tokens: int, held: list) -> float:
-    """Seconds the worker waits before claiming entry `item` (`scheduler.claiming.claim_defer_s`), its engine
-    computing the prompts of handles `held` (`computing_tokens` tokens in all) at its prefill rate
-    (`measured_rate`, as its preemption asks): the live `WorkerRuntime._claim_defer`. 0: claim it now."""
-    if not computing_tokens or item[1] is not None:
+def claim_defer(worker: PrefillWorker | DecodeWorker, q: StageQueues, item: tuple, held: list) -> float:
+    """Seconds the worker waits before claiming entry `item` of stage queues `q` (`scheduler.claiming.
+    claim_defer_s`), its engine computing the prompts of handles `held` (each with `.req` and `.claimed_at`)
+    at its prefill rate (`measured_rate`, as its preemption asks), against the freest peer of the stage as
+    the heartbeats said (`Simulation.freest`): the live `WorkerRuntime._claim_defer`. 0: claim it now."""
+    if not held or item[1] is not None:
         return 0.0  # nothing computing, or KV to pull (no prompt to compute): the rate is not asked, as live
+    sim = worker.sim
+    peer_free_s = sim.freest.free_s(worker.name, q.stage)
+    if peer_free_s is None:
+        return 0.0  # no peer would take it sooner
     req: SimRequest = item[0]
-    return claim_defer_s(req.backlog_tokens, req.rank, computing_tokens, [h.req.rank for h in held],
-                         measured_rate(worker), worker.sim.worker_cfg.claim_defer_max_s)
+    rate = measured_rate(worker)
+    left = tokens_left([(h.req.prompt_tokens, h.claimed_at, None) for h in held], rate, sim.loop.now)
+    return claim_defer_s(req.backlog_tokens, req.rank, left, [h.req.rank for h in held], rate, peer_free_s,
+                         sim.worker_cfg.claim_defer_max_s)

@@ -14,9 +14,10 @@ tokens leave the backlog) and handed to the decode stage.
 
 Fleet-level preemption (`preempt.py`), as the live worker: for each request
 it claims, and for the EDF head while it is full.
-While it computes prompts it waits before claiming one more
-(`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`), so an idle
-worker takes a new prompt first.
+While it computes prompts it waits before claiming one more when a peer
+would be free sooner (`scheduler.claiming.claim_defer_s`, `preempt.claim_defer`),
+so an idle worker takes a new prompt first; it stops waiting when one of its
+prompts is done or preempted (live: `HeldTable.freed` wakes the claim loop).
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ class PrefillWorker:
                                  prefill_cap=sim.prefill_cap, background=sim.prefill_background,
                                  max_held=sim.max_held_steps)
         self.cache: PrefixCache | None = None  # its engine's prefix cache, when the fleet models one
-        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps).
+        # Waiting out a claim defer (`claim_wait`; live: its claim loop sleeps), on which stage's queues,
+        # and which sleep (a wake-up of an earlier one, cut short, finds another number).
         self.asleep = False
+        self.sleep_q: StageQueues | None = None
+        self.sleeps = 0
         self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- claiming ------------------------------------------------------------------
@@ -130,7 +134,7 @@ class PrefillWorker:
         item = peek_for(self, q, self.held)
         if item is None:
             return None
-        wait = claim_defer(self, item, self.tokens_held, self.held)
+        wait = claim_defer(self, q, item, self.held)
         return (q, item, wait) if wait > 0 else None
 
     @property
@@ -138,24 +142,36 @@ class PrefillWorker:
         """Prompt tokens its engine computes: what the claim defer weighs."""
         return self.tokens_held
 
-    def wait_for(self, item: tuple) -> float:
-        """Seconds the worker would wait before claiming entry `item` (0: it claims it now)."""
-        return claim_defer(self, item, self.tokens_held, self.held) if self.tokens_held else 0.0
+    def wait_for(self, q: StageQueues, item: tuple) -> float:
+        """Seconds the worker would wait before claiming entry `item` of `q` (0: it claims it now)."""
+        return claim_defer(self, q, item, self.held) if self.held else 0.0
 
     def _sleep(self, q: StageQueues, wait: float) -> None:
         """Wait `wait` s before the next claim (live: `TierQueues.claim` sleeps), out of the ready queue."""
         self.asleep = True
+        self.sleep_q = q
+        self.sleeps += 1
         q.deferring += 1
         if self.in_ready:
             self.in_ready = False
             self.sim.prefill_ready.remove(self)
-        self.sim.loop.after(wait, self._wake, q)
+        self.sim.loop.after(wait, self._wake, self.sleeps)
 
-    def _wake(self, q: StageQueues) -> None:
-        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again."""
+    def _wake(self, sleep: int) -> None:
+        """The defer is over: claim what is due now (live: the heads are peeked again), not deferred again.
+        A wake-up of a sleep already cut short (`_freed`) does nothing."""
+        if not self.asleep or sleep != self.sleeps:
+            return
         self.asleep = False
-        q.deferring -= 1
+        self.sleep_q.deferring -= 1  # type: ignore[union-attr]
+        self.sleep_q = None
         self.claim_while_room(woke=True)
+
+    def _freed(self) -> None:
+        """A prompt of its engine is done or preempted: a worker waiting out a defer claims now (live:
+        `HeldTable.freed` wakes its claim loop)."""
+        if self.asleep:
+            self._wake(self.sleeps)
 
     def busy(self) -> bool:
         return self.stepping
@@ -191,13 +207,17 @@ class PrefillWorker:
     def _step_done(self, work: list[tuple[_Held, int]]) -> None:
         self.stepping = False
         now = self.sim.loop.now
+        finished = False
         for h, n in work:
             if h.aborted:
                 continue  # preempted during the step: its work is lost
             h.done += n
             if h.done >= h.req.prompt_tokens:
                 self._finish(h, now)
-        if self.held or self.sim.prefill_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+                finished = True
+        if finished and self.asleep:
+            self._freed()
+        elif self.held or self.sim.prefill_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
             self.claim_while_room()
         if not self.stepping and self.held:
             self._start_step()
@@ -229,6 +249,8 @@ class PrefillWorker:
             # Re-queued on its retry lane with its original deadline; enqueue adds its tokens to the
             # backlog and the ack of the old entry removes them: no net change.
             self.sim.prefill_q.push_retry(h.req, (h.req, None))
+        if victims and self.asleep:
+            self._freed()
         return len(victims)
 
 
