@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from skyline.scheduler.elastic import STAGES_OF_ROLE, has_room
+from skyline.scheduler.elastic import STAGES_OF_ROLE, PeerLoad, has_room
 from skyline.scheduler.preemption import Shield
 from skyline.scheduler.throughput import rate_or_prior
 
@@ -104,16 +104,10 @@ def tokens_left(prompts: Iterable[tuple[int, float, int | None]], tokens_per_s: 
     return left + max(0, round((free_at - now) * tokens_per_s))
 
 
-class PeerCompute(Protocol):
-    """What a peer's heartbeat says of its prompts (the live `WorkerInfo`, or a simulated worker's)."""
+class PeerCompute(PeerLoad, Protocol):
+    """A peer's heartbeat as placement reads it (`PeerLoad`: its `running_tokens` are every prompt a
+    prefill worker holds), with the rate its prompts are computed at."""
 
-    worker_id: str
-    role: str
-    running: int
-    max_running: int
-    kv_usage: float
-    kv_watermark: float  # 0: it claims at any KV usage
-    running_tokens: int  # prompt tokens its engine is computing (a prefill worker: every prompt it holds)
     tokens_per_s: float  # its measured prompt rate (0: not measured yet)
 
 
