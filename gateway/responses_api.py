@@ -367,6 +367,7 @@ class ResponsesApi:
                            starting_after: int | None = None) -> Response:
             tenant = self._caller(request)
             self._on()
+            _refuse_include(request)
             rec = await self._owned(response_id, tenant)
             if not stream:
                 return JSONResponse(rec.response)
@@ -406,12 +407,20 @@ class ResponsesApi:
                                    before: str | None = None, limit: int = 20, order: str = "desc") -> JSONResponse:
             tenant = self._caller(request)
             self._on()
+            _refuse_include(request)
             if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
                 raise ApiError(400, f"limit must be from 1 to {MAX_INPUT_ITEMS_PAGE}, got {limit}", param="limit")
             if order not in ("asc", "desc"):
                 raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")
             rec = await self._owned(response_id, tenant)
             return JSONResponse(page(rec.input_items, after, before, limit, order))
+
+
+def _refuse_include(request: Request) -> None:
+    """`include` (extra output data on a stored response's read) is not kept by the store: refused, not ignored."""
+    if "include" in request.query_params or "include[]" in request.query_params:
+        raise ApiError(400, "`include` is not supported when reading a stored response: the store keeps the "
+                            "response as it was returned; ask for the data with `include` at creation", param="include")
 
 
 # ---- pure helpers ------------------------------------------------------------------------------

@@ -206,6 +206,9 @@ def test_delete_and_input_items(gateways):
     assert [i.content[0].text for i in first.data] == ["two", "one"] and first.has_more
     rest = client_for(b).responses.input_items.list(resp.id, limit=2, after=first.last_id)
     assert [i.content[0].text for i in rest.data] == ["Be brief."] and not rest.has_more
+    for read in (client_for(b).responses.retrieve, client_for(b).responses.input_items.list):
+        with pytest.raises(openai.BadRequestError, match="include"):  # not kept by the store: refused, not ignored
+            read(resp.id, include=["message.output_text.logprobs"])
 
     client_for(b).responses.delete(resp.id)
     for client in (client_for(a), client_for(b)):
