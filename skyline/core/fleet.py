@@ -31,6 +31,14 @@ class WorkerInfo:
     max_running: int = 0  # the most requests it holds at once (its placement counts as overloaded there)
     cache_block_size: int = 0  # its engine's prefix-cache block size; 0 = no cache view (placement skips it)
     kv_watermark: float = 0.0  # KV usage from which it claims nothing (decode workers; 0 = no such rule)
+    # LoRA (skyline/core/adapters.py): the adapters its engine holds (names, comma-separated), how many it
+    # runs at once (vLLM's max_loras; 0 = LoRA off) and what loading one took it (ms, 0 = not measured).
+    adapters: str = ""
+    lora_slots: int = 0
+    adapter_load_ms: float = 0.0
+
+    def held_adapters(self) -> frozenset[str]:
+        return frozenset(a for a in self.adapters.split(",") if a)
 
 
 async def heartbeat(r: aioredis.Redis, keys: Keys, info: WorkerInfo, ttl_s: float) -> None:
@@ -81,6 +89,8 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
                 nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
                 cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
+                adapters=d.get("adapters", ""), lora_slots=int(d.get("lora_slots", 0)),
+                adapter_load_ms=float(d.get("adapter_load_ms", 0.0)),
             )
         )
     return out

@@ -75,6 +75,24 @@ class Keys:
         """
         return f"{self.prefix}:kvcache:{worker_id}"
 
+    @property
+    def adapters(self) -> str:
+        """HASH `skyline:adapters` — the fleet's LoRA adapters: field = the adapter's name (what clients send
+        as `model`), value = JSON {name, path, lora_id, base_model, loaded_ms, static}.
+
+        Written by the gateway's POST /v1/load_lora_adapter and /v1/unload_lora_adapter and by workers
+        started with --lora-modules (skyline/core/adapters.py); read by every gateway (what it serves,
+        `/v1/models`) and every worker (what its engine may keep: an adapter gone from here is removed
+        from the engine at its next heartbeat). No TTL: it lives until unloaded.
+        """
+        return f"{self.prefix}:adapters"
+
+    @property
+    def adapter_ids(self) -> str:
+        """STRING `skyline:adapter_ids` — INCR counter of LoRA ids: each load of an adapter gets a new
+        fleet-wide id (vLLM's lora_int_id), so no engine serves a reloaded adapter with old weights."""
+        return f"{self.prefix}:adapter_ids"
+
     def tokens(self, request_id: str) -> str:
         """CHANNEL `skyline:tokens:<request id>` — output frames of one request.
 

@@ -45,6 +45,17 @@ class SamplingSpec:
 
 
 @dataclass
+class AdapterRef:
+    """The LoRA adapter a request runs with (vLLM's LoRARequest, as the fleet's adapter registry
+    gives it: skyline/core/adapters.py). `lora_id` is fleet-wide: each load of a name gets a new one,
+    so an engine never serves a reloaded adapter with the weights it kept under the old id."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass
 class GenerateRequest:
     """A request as the gateway enqueues it on a tier stream.
 
@@ -74,6 +85,9 @@ class GenerateRequest:
     # neither shed for that tier's TTFT target nor dropped for lateness, as `vllm serve` would serve it;
     # refused only past [gateway] best_effort_max_wait_s of predicted wait, or at the queue bound.
     best_effort: bool = False
+    # The LoRA adapter the request names as its `model` (None: the base model). Prefill and decode
+    # engines both run it: KV computed with an adapter is decoded with it.
+    adapter: AdapterRef | None = None
 
 
 @dataclass
@@ -182,6 +196,7 @@ _BY_TAG: dict[str, type] = {
 _NESTED: dict[tuple[type, str], type] = {
     (GenerateRequest, "sampling"): SamplingSpec,
     (DecodeWork, "request"): GenerateRequest,
+    (GenerateRequest, "adapter"): AdapterRef,
 }
 
 
@@ -190,7 +205,7 @@ class CodecError(ValueError):
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*_BY_TAG.values(), SamplingSpec)
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (*_BY_TAG.values(), SamplingSpec, AdapterRef)
 }
 _FIELD_SET: dict[type, frozenset[str]] = {cls: frozenset(names) for cls, names in _FIELDS.items()}
 
