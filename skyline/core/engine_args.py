@@ -58,7 +58,11 @@ SHARED = {
     "max_model_len": "the gateway checks each request against one context length",
     "dtype": "KV moves between engines as it is: the same dtype on both sides",
     "kv_cache_dtype": "KV moves between engines as it is: the same dtype on both sides",
+    "enable_lora": "KV computed with an adapter is decoded with it: every engine serves the fleet's adapters",
+    "max_lora_rank": "every engine loads each of the fleet's adapters",
 }
+# Arguments of `vllm serve` that are not the engine's: taken by the worker, never passed to vLLM's engine.
+SERVING_ONLY = ("lora_modules",)
 
 
 class EngineArgsError(ValueError):
@@ -198,6 +202,13 @@ def parser() -> Any:
 
         p = Parser(prog="vLLM engine arguments", add_help=False)
         AsyncEngineArgs.add_cli_args(p)
+        # `vllm serve`'s one serving-layer argument an engine's worker takes: its static LoRA adapters,
+        # parsed by vLLM's own action (a list of LoRAModulePath). The worker registers them in the
+        # fleet's adapter registry (skyline/core/adapters.py); the engine itself never sees it.
+        from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+
+        p.add_argument("--lora-modules", type=str, nargs="+", action=LoRAParserAction, default=None,
+                       help="LoRA adapters served from the start: name=path or JSON, as vllm serve takes them")
         for action in p._actions:
             if action.default is not argparse.SUPPRESS:
                 if isinstance(action.default, str):  # as argparse itself applies a string default
@@ -287,6 +298,8 @@ def refusals(given: dict[str, Any], ec: EngineConfig, role: str | None) -> list[
         out.append(f"{flag(name)} = {given.get(name, 1)}: --cpu-bind {ec.cpu_bind!r} gives "
                    f"{ec.cpu_bind.count('|') + 1} core set(s) for an engine of {ranks} rank(s); vLLM's CPU backend "
                    "binds each rank to a set of its own: one per rank, separated by | (e.g. 0|1)")
+    if given.get("lora_modules") and not given.get("enable_lora"):
+        refuse("lora_modules", "its adapters need an engine with LoRA: add --enable-lora (as vllm serve)")
     if (mml := given.get("max_model_len")) is not None and mml < 1:
         refuse("max_model_len", "the gateway checks each request against the context length: give it")
     return out
@@ -337,7 +350,7 @@ def engine_args(given: dict[str, Any], skyline: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     values = defaults()
-    values.update(given)
+    values.update({k: v for k, v in given.items() if k not in SERVING_ONLY})
     for name in RENAMED.values():  # Skyline's fields carry them (resolve), with Skyline's meaning of 0 and -1
         if name != "served_model_name":
             values[name] = _DEFAULTS.get(name)
