@@ -18,7 +18,7 @@ from skyline.core import messages
 from skyline.core.streams import entry_fields, now_ms, open_lanes
 from skyline.scheduler.elastic import HANDOFF_HOLD_MS
 from skyline.workers import observe
-from skyline.workers.engines.base import EngineRequest
+from skyline.workers.engines.base import EngineRequest, RequestRefused
 from skyline.workers.held import HeldRequest
 from skyline.workers.outage import ride_out
 from skyline.workers.port import WorkerPort
@@ -28,7 +28,7 @@ log = logging.getLogger("skyline.worker.prefill")
 
 def engine_request(req: messages.GenerateRequest) -> EngineRequest:
     return EngineRequest(req.request_id, req.prompt_token_ids, req.sampling, req.priority, req.cache_salt,
-                         targeted=not req.best_effort)
+                         targeted=not req.best_effort, adapter=req.adapter)
 
 
 class PrefillHandler:
@@ -42,7 +42,11 @@ class PrefillHandler:
             return
         started = now_ms()
         self.port.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
-        result = await self.port.engine.prefill(engine_request(req))
+        try:
+            result = await self.port.engine.prefill(engine_request(req))
+        except RequestRefused as exc:  # a client error (an adapter it cannot load): answered, never retried
+            await self.port.fail(held, exc.status, exc.message, code="unsupported_by_engine", dead_letter=False)
+            return
         held.prompt_computed()  # no longer one to preempt: only the hand-off is left
         self.port.meter.record(started, now_ms(), result.prompt_tokens)
         work = messages.DecodeWork(

@@ -140,6 +140,11 @@ class EngineConfig:
     # The sim engine's prefix cache: blocks of 16 tokens it keeps (least recently used evicted first),
     # reported as cache events like vLLM's; 0 = no prefix cache.
     sim_prefix_cache_blocks: int = 4096
+    # The sim engine's LoRA adapters, modelled as vLLM's: this many run at once (vLLM's max_loras; the
+    # engine keeps as many loaded, least recently used evicted first), each load costs sim_lora_load_s
+    # in the step that first runs it; 0 = no LoRA (a request naming an adapter is refused).
+    sim_max_loras: int = 2
+    sim_lora_load_s: float = 0.05
 
     def prefill_cap(self) -> int:
         """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""

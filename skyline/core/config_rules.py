@@ -110,6 +110,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {
     ("engine", "sim_decode_base_s"): _AT_LEAST_0,
     ("engine", "sim_decode_per_seq_s"): _AT_LEAST_0,
     ("engine", "sim_prefix_cache_blocks"): _AT_LEAST_0,
+    ("engine", "sim_max_loras"): _AT_LEAST_0,
+    ("engine", "sim_lora_load_s"): _AT_LEAST_0,
     ("worker", "max_running"): _AT_LEAST_1,
     ("worker", "prefill_token_budget"): _AT_LEAST_1,
     ("worker", "kv_watermark"): _FRACTION,

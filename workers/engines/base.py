@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyline.core.messages import SamplingSpec
+from skyline.core.messages import AdapterRef, SamplingSpec
 
 
 @dataclass
@@ -26,6 +26,7 @@ class EngineRequest:
     # The request has latency targets (False: it asked for no SLO; the engine may take longer steps
     # while only such requests are in it: scheduler/step_budget.py's relaxed steps).
     targeted: bool = True
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -162,3 +163,17 @@ class Engine(abc.ABC):
         """Blocks stored in and evicted from the prefix cache since the previous call (None: nothing
         new, or no cache events). Called from the worker's event loop, often: must not block."""
         return None
+
+    # -- LoRA adapters (skyline/core/adapters.py, workers/adapters.py) --------------------------
+    # Adapters the engine runs at once (vLLM's max_loras), known after `start`; 0 = no LoRA: a request
+    # with an adapter is refused. An engine loads a request's adapter when the request arrives, if
+    # it does not hold it yet; `adapter_load_ms` is what its loads took (mean, 0 = none measured).
+    lora_slots: int = 0
+    adapter_load_ms: float = 0.0
+
+    async def adapters(self) -> list[str]:
+        """The adapters the engine holds (loaded, not evicted), by name."""
+        return []
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        """Drop the adapter loaded under `lora_id` (unloaded from the fleet). Unknown ids are ignored."""

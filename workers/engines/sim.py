@@ -20,6 +20,13 @@ of them, least recently used evicted first. A prompt's leading cached blocks cos
 (vLLM recomputes at least the last prompt token, so does the sim); the blocks of prompt and output
 are stored once computed (the output's when the sequence ends), and every store and eviction is
 reported as a cache event.
+
+LoRA adapters are modelled as vLLM runs them: at most `lora_slots` adapters (vLLM's max_loras) among
+the sequences of a step, so a prompt whose adapter would be one too many waits in the queue until a
+slot's sequences end; the engine keeps as many adapters loaded (least recently used evicted first)
+and a step that first runs an adapter it does not hold costs `lora_load_s` more. Blocks computed with
+an adapter are keyed with it (as vLLM's hash includes the adapter): never a hit for another adapter
+or for the base model.
 """
 
 from __future__ import annotations
@@ -65,12 +72,15 @@ class SimTiming:
     # several steps, so an abort frees the engine within one chunk.
     max_batch_tokens: int = _DEFAULTS.max_num_batched_tokens
     prefix_cache_blocks: int = _DEFAULTS.sim_prefix_cache_blocks
+    lora_slots: int = _DEFAULTS.sim_max_loras
+    lora_load_s: float = _DEFAULTS.sim_lora_load_s
 
     @classmethod
     def of(cls, ec: EngineConfig) -> SimTiming:
-        """The timing an engine config describes: its sim_* times, its step size and its prefix cache."""
+        """The timing an engine config describes: its sim_* times, its step size, prefix cache and LoRA slots."""
         return cls(ec.sim_prefill_base_s, ec.sim_prefill_per_token_s, ec.sim_decode_base_s, ec.sim_decode_per_seq_s,
-                   ec.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS, ec.sim_prefix_cache_blocks)
+                   ec.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS, ec.sim_prefix_cache_blocks,
+                   ec.sim_max_loras, ec.sim_lora_load_s)
 
 
 SIM_BLOCK_SIZE = 16  # vLLM's default block size on GPUs
@@ -120,6 +130,7 @@ class _Seq:
     cached: int = 0  # leading prompt tokens the prefix cache held
     text: bytes = b""
     start: int = 0
+    activated: bool = False  # its adapter holds one of the engine's slots (it has run a step)
 
 
 _ABORTED = object()
@@ -139,6 +150,10 @@ class SimEngine(Engine):
         self._steps = 0  # steps completed: the worker's stall watch reads them (progress)
         self.cache = SimPrefixCache(self.timing.prefix_cache_blocks) if self.timing.prefix_cache_blocks else None
         self.cache_block_size = self.cache.block_size if self.cache else 0
+        self.lora_slots = self.timing.lora_slots
+        self._loras: OrderedDict[int, str] = OrderedDict()  # adapters held: lora id -> name, LRU first
+        self._load_due_s = 0.0  # adapter loads the next step pays for
+        self.loads = 0  # adapter loads so far
 
     def cache_delta(self) -> CacheDelta | None:
         return self.cache.take_delta() if self.cache else None
@@ -151,7 +166,41 @@ class SimEngine(Engine):
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
 
+    async def adapters(self) -> list[str]:
+        return list(self._loras.values())
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        self._loras.pop(lora_id, None)
+
+    def _active_adapters(self) -> set[int]:
+        """The adapters of the sequences that hold slots: running, or partly computed."""
+        return {s.req.adapter.lora_id for s in self._by_id.values() if s.activated and s.req.adapter is not None}
+
+    def _activate(self, seq: _Seq, active: set[int]) -> bool:
+        """Run `seq`'s adapter in this step if a slot allows (loading it if not held); False: it waits."""
+        ref = seq.req.adapter
+        if ref is None or seq.activated:
+            return True
+        if ref.lora_id not in active and len(active) >= self.lora_slots:
+            return False
+        seq.activated = True
+        active.add(ref.lora_id)
+        if ref.lora_id in self._loras:
+            self._loras.move_to_end(ref.lora_id)
+            return True
+        self._load_due_s += self.timing.lora_load_s
+        self.loads += 1
+        self.adapter_load_ms = self.timing.lora_load_s * 1000
+        self._loras[ref.lora_id] = ref.name
+        for lora_id in list(self._loras):  # keep as many loaded as run at once, evicting idle ones first
+            if len(self._loras) <= self.lora_slots:
+                break
+            if lora_id not in active:
+                del self._loras[lora_id]
+        return True
+
     async def prefill(self, req: EngineRequest) -> PrefillResult:
+        _refuse_adapter_without_lora(req, self.lora_slots)
         seq = self._admit(req, prefill_only=True, remote_kv=False)
         item = await seq.out.get()
         if item is _ABORTED:
@@ -161,6 +210,7 @@ class SimEngine(Engine):
 
     async def generate(self, req: EngineRequest, kv_handle: dict[str, Any] | None) -> AsyncIterator[GenerationChunk]:
         _refuse_what_sim_cannot_compute(req)
+        _refuse_adapter_without_lora(req, self.lora_slots)
         seq = self._admit(req, prefill_only=False, remote_kv=kv_handle is not None)
         n = max(1, req.sampling.n)
         try:
@@ -220,8 +270,11 @@ class SimEngine(Engine):
         seq.start = _output_start(req.prompt_token_ids)
         self._by_id[req.request_id] = seq
         if self.cache and not remote_kv:
-            seq.cached = seq.prefilled = self.cache.cached_tokens(req.prompt_token_ids, req.cache_salt)
-        if remote_kv:
+            seq.cached = seq.prefilled = self.cache.cached_tokens(req.prompt_token_ids, _salt(req))
+        if remote_kv and req.adapter is not None and not self._activate(seq, self._active_adapters()):
+            seq.prefilled = len(req.prompt_token_ids)  # pulled, but its adapter waits for a slot
+            self._waiting.append(seq)
+        elif remote_kv:
             seq.prefilled = len(req.prompt_token_ids)  # pulled: held, and cached, as computed here
             self._running.append(seq)  # KV arrives from the prefill engine: straight to decode
         else:
@@ -234,7 +287,7 @@ class SimEngine(Engine):
         if seq is None:
             return
         if self.cache and seq.prefilled >= len(seq.req.prompt_token_ids):  # its blocks stay cached, as in vLLM
-            self.cache.store(seq.req.prompt_token_ids + list(seq.text), seq.req.cache_salt)
+            self.cache.store(seq.req.prompt_token_ids + list(seq.text), _salt(seq.req))
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:
@@ -250,14 +303,21 @@ class SimEngine(Engine):
                 # Like vLLM's priority policy: lower priority value first, then arrival.
                 order = sorted(self._waiting, key=lambda q: q.req.priority)
                 chunks, budget = [], t.max_batch_tokens
+                active = self._active_adapters()
                 for seq in order:
+                    if not self._activate(seq, active):
+                        continue  # its adapter would be one too many in this step: it waits for a slot
                     take = min(budget, len(seq.req.prompt_token_ids) - seq.prefilled)
                     chunks.append((seq, take))
                     budget -= take
                     if budget <= 0:
                         break
+                if not chunks:  # every waiting prompt waits for an adapter slot: decode until one frees
+                    await self._decode_step()
+                    continue
                 tokens = sum(n for _, n in chunks)
-                await asyncio.sleep(t.prefill_base_s + t.prefill_per_token_s * tokens)
+                load_s, self._load_due_s = self._load_due_s, 0.0
+                await asyncio.sleep(t.prefill_base_s + t.prefill_per_token_s * tokens + load_s)
                 self._steps += 1
                 for seq, take in chunks:
                     if seq.req.request_id not in self._by_id:
@@ -267,7 +327,7 @@ class SimEngine(Engine):
                         continue
                     self._waiting.remove(seq)
                     if self.cache:  # a prompt's full blocks are cached once computed, as in vLLM
-                        self.cache.store(seq.req.prompt_token_ids, seq.req.cache_salt)
+                        self.cache.store(seq.req.prompt_token_ids, _salt(seq.req))
                     if seq.prefill_only:
                         self._drop(seq.req.request_id)
                         seq.out.put_nowait((0, None))
@@ -275,10 +335,15 @@ class SimEngine(Engine):
                         self._running.append(seq)
                         self._emit(seq)  # the prefill step also samples the first token
             else:
-                await asyncio.sleep(t.decode_base_s + t.decode_per_seq_s * len(self._running))
-                self._steps += 1
-                for seq in list(self._running):
-                    self._emit(seq)
+                await self._decode_step()
+
+    async def _decode_step(self) -> None:
+        t = self.timing
+        load_s, self._load_due_s = self._load_due_s, 0.0
+        await asyncio.sleep(t.decode_base_s + t.decode_per_seq_s * len(self._running) + load_s)
+        self._steps += 1
+        for seq in list(self._running):
+            self._emit(seq)
 
     def _emit(self, seq: _Seq) -> None:
         token = _token_at(seq.start, seq.produced)
@@ -306,6 +371,20 @@ def _refuse_what_sim_cannot_compute(req: EngineRequest) -> None:
         if params.get(key) is not None:
             raise RequestRefused(f"the sim engine has no model, so it does not compute {what}; "
                                  "serve this request with the vllm engine", param=key)
+
+
+def _refuse_adapter_without_lora(req: EngineRequest, slots: int) -> None:
+    if req.adapter is not None and slots <= 0:
+        raise RequestRefused(f"the model `{req.adapter.name}` is a LoRA adapter and this engine runs without LoRA "
+                             "([engine] sim_max_loras = 0)", param="model")
+
+
+def _salt(req: EngineRequest) -> str | None:
+    """The prefix-cache key's salt: the request's cache_salt and its adapter (blocks computed with an
+    adapter are another adapter's or the base model's never)."""
+    if req.adapter is None:
+        return req.cache_salt
+    return f"{req.cache_salt or ''}\0lora:{req.adapter.name}:{req.adapter.lora_id}"
 
 
 def _output_start(prompt_token_ids: list[int]) -> int:

@@ -45,7 +45,7 @@ from skyline.core import logprobs
 from skyline.core.messages import SamplingSpec
 from skyline.workers.engines import vllm_internals, vllm_kv_events
 from skyline.workers.engines.base import (
-    CacheDelta, Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult,
+    CacheDelta, Engine, EngineRequest, EngineStats, GenerationChunk, KVPullFailed, PrefillResult, RequestRefused,
 )
 
 log = logging.getLogger("skyline.engine.vllm")
@@ -148,6 +148,10 @@ class VllmEngine(Engine):
         self._pulled_from: set[str] = set()  # prefill engines this one has read KV from (NIXL handshake done)
         self._nudges: set[asyncio.Task] = set()  # see release_kv
         self.start_seconds = 0.0
+        # LoRA adapters the engine was given, by fleet-wide id (vLLM's lora_int_id) -> name; which of
+        # them it still holds is vLLM's to say (`adapters`: its LRU cache evicts).
+        self._adapter_names: dict[int, str] = {}
+        self._adapter_loads: list[float] = []  # ms each load took, the latest few
         # KV cache bytes of one token (K and V, every layer): sizes KV transfers in the timeline.
         self.kv_bytes_per_token: int | None = None
 
@@ -258,6 +262,8 @@ class VllmEngine(Engine):
             await self.shutdown()
             raise
         self.kv_bytes_per_token = vllm_internals.kv_bytes_per_token(self._llm)
+        lora_config = self._llm.vllm_config.lora_config  # None unless --enable-lora
+        self.lora_slots = int(lora_config.max_loras) if lora_config is not None else 0
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s, prefix-cache blocks of %d tokens reported)",
                  self.start_seconds, self.model, self.cpu_bind, self.nixl_port, self.cache_block_size)
@@ -399,7 +405,7 @@ class VllmEngine(Engine):
 
         # The same salt: the n sequences that follow must find these blocks in the prefix cache.
         pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority,
-                             req.cache_salt, req.targeted)
+                             req.cache_salt, req.targeted, req.adapter)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"kv_transfer_params": handle})
         loaded = 0
@@ -421,11 +427,12 @@ class VllmEngine(Engine):
             prompt["cache_salt"] = req.cache_salt
         if not req.targeted:  # the step-shaping scheduler may step long while only such requests are in
             params.extra_args = {**(params.extra_args or {}), vllm_internals.BEST_EFFORT_ARG: True}
+        lora = await self._lora_request(req) if req.adapter is not None else None
         try:
             # vLLM appends a random suffix to make its internal request id; the
             # id given here stays the external id, which abort() accepts.
             async for out in self._llm.generate(
-                prompt, params, req.request_id,
+                prompt, params, req.request_id, lora_request=lora,
                 # vLLM rejects a non-zero priority under the fcfs policy.
                 priority=req.priority if self.scheduling_policy == "priority" else 0,
             ):
@@ -433,6 +440,44 @@ class VllmEngine(Engine):
         finally:
             self._in_flight.discard(req.request_id)
             self._remote_tokens.pop(req.request_id, None)
+
+    async def _lora_request(self, req: EngineRequest) -> Any:
+        """vLLM's LoRARequest for the request's adapter, loaded into the engine first if it does not
+        hold it (timed: the load time workers advertise, which admission control counts)."""
+        from vllm.lora.request import LoRARequest
+
+        ref = req.adapter
+        assert ref is not None
+        if not self.lora_slots:
+            raise RequestRefused(f"the model `{ref.name}` is a LoRA adapter and this engine runs without LoRA "
+                                 "(start its workers with --enable-lora)", status=400, param="model")
+        lora = LoRARequest(lora_name=ref.name, lora_int_id=ref.lora_id, lora_path=ref.path)
+        if ref.lora_id not in self._adapter_names:
+            t0 = time.monotonic()
+            try:
+                await self._llm.add_lora(lora)  # vLLM's own load (what its load_lora_adapter route calls)
+            except Exception as exc:
+                raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: {exc}",
+                                     status=400, param="model") from None
+            self._adapter_names[ref.lora_id] = ref.name
+            self._adapter_loads = [*self._adapter_loads[-7:], (time.monotonic() - t0) * 1000]
+            self.adapter_load_ms = sum(self._adapter_loads) / len(self._adapter_loads)
+            log.info("LoRA adapter %s (id %d) loaded from %s in %.0f ms", ref.name, ref.lora_id, ref.path,
+                     self._adapter_loads[-1])
+        return lora
+
+    async def adapters(self) -> list[str]:
+        if self._llm is None or not self.lora_slots:
+            return []
+        held = await self._llm.list_loras()
+        for lora_id in [i for i in self._adapter_names if i not in held]:  # evicted by vLLM: loaded again on use
+            del self._adapter_names[lora_id]
+        return sorted(self._adapter_names[i] for i in held if i in self._adapter_names)
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        if self._llm is not None and self._adapter_names.pop(lora_id, None) is not None:
+            await self._llm.remove_lora(lora_id)
+            log.info("LoRA adapter id %d removed (unloaded from the fleet)", lora_id)
 
     async def abort(self, request_id: str) -> None:
         # abort() with the external id aborts every internal request behind it;
