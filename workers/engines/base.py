@@ -109,6 +109,9 @@ class Engine(abc.ABC):
     # The prefix cache's block size in tokens, known after `start`; 0 = the engine reports no cache
     # events (`cache_delta` stays None) and the gateway places none of this worker's requests by prefix.
     cache_block_size: int = 0
+    # The context length it serves (prompt and output tokens), known after `start`: advertised in the
+    # heartbeat, so a gateway renders and checks this model's requests with it (gateway/models.py).
+    max_model_len: int = 0
 
     @abc.abstractmethod
     async def start(self) -> None:

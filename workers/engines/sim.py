@@ -139,8 +139,9 @@ _ABORTED = object()
 class SimEngine(Engine):
     kind = "sim"
 
-    def __init__(self, timing: SimTiming | None = None, engine_id: str | None = None):
+    def __init__(self, timing: SimTiming | None = None, engine_id: str | None = None, max_model_len: int = 2048):
         self.timing = timing or SimTiming()
+        self.max_model_len = max_model_len  # reported as vLLM's engine reports its own
         self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:8]}"
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []

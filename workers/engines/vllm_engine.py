@@ -264,6 +264,7 @@ class VllmEngine(Engine):
         self.kv_bytes_per_token = vllm_internals.kv_bytes_per_token(self._llm)
         lora_config = self._llm.vllm_config.lora_config  # None unless --enable-lora
         self.lora_slots = int(lora_config.max_loras) if lora_config is not None else 0
+        self.max_model_len = self._llm.model_config.max_model_len  # what vLLM settled on (EngineClient's config)
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s, prefix-cache blocks of %d tokens reported)",
                  self.start_seconds, self.model, self.cpu_bind, self.nixl_port, self.cache_block_size)
