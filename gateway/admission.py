@@ -20,7 +20,7 @@ from typing import Any
 from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.gateway.errors import ApiError
-from skyline.gateway.fleetview import FleetView
+from skyline.gateway.fleetview import ModelView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
 from skyline.scheduler.admission import (
@@ -29,7 +29,7 @@ from skyline.scheduler.admission import (
 
 
 def apply_admission(
-    cfg: SkylineConfig, policy: AdmissionPolicy, fleet: FleetView, prep: Prepared, backlog: Mapping[str, int],
+    cfg: SkylineConfig, policy: AdmissionPolicy, fleet: ModelView, prep: Prepared, backlog: Mapping[str, int],
     metrics: GatewayMetrics, calibration: TtftCalibration | None = None, handoff_ms: float = 0.0,
 ) -> Prepared:
     """The request as it may be enqueued (possibly demoted), decided on `backlog` (tier -> tokens

@@ -31,7 +31,8 @@ from starlette.requests import Request
 
 from skyline.core import redisconn
 from skyline.core.config import SkylineConfig
-from skyline.core.keys import Keys
+from skyline.core.keys import Keys, keyspace_of
+from skyline.core.sim_model import sim_model_dir
 from skyline.core.stopping import bounded_step
 from skyline.core.streams import ensure_groups, now_ms
 from skyline.gateway.batch_routes import batch_router
@@ -40,6 +41,7 @@ from skyline.gateway.dispatch import Dispatcher
 from skyline.gateway.errors import ApiError, HeaderLimit, from_vllm, install_handlers, vllm_wrote
 from skyline.gateway.fleet_client import CLIENT_CLOSED, SCOPE, RequestScope, fleet_client_class
 from skyline.gateway.fleetview import FleetView
+from skyline.gateway.models import ModelPool, ModelRegistry, ModelSpec
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver, add_timeline_route
 from skyline.gateway.openai_api import Frontend, build_frontend
@@ -63,13 +65,29 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     """The gateway app for the model at `model_path` (its config and tokenizer; no weights).
     Its lifespan connects Redis (`cfg.redis.url`), creates the consumer groups, starts the
     token relay and the worker-role cache; shutting down closes them."""
-    serving = Serving(cfg, served_model)
-    keys = Keys(cfg.key_prefix)
+    keys = Keys(cfg.key_prefix)  # the fleet's keys; a model's queues: keys.for_model (skyline/core/keys.py)
     metrics = GatewayMetrics()
     observer = GatewayObserver(cfg, metrics, keys)  # timeline events, SLO verdicts, the rolling SLO record
-    calibration = TtftCalibration() if cfg.gateway.ttft_calibration else None
-    dispatcher = Dispatcher(cfg, serving, keys, metrics, observer, calibration)
-    front = build_frontend(cfg, fleet_client_class(), dispatcher, model_path, served_model, max_model_len)
+    budgets = TokenBudgets()  # tenants' token budgets: one per tenant, whichever model it asks
+    background: set[asyncio.Task] = set()  # cancel publishes in flight, of every model's requests
+    fleet_client = fleet_client_class()
+
+    def build_pool(spec: ModelSpec, own: bool = False) -> ModelPool:
+        """One model's serving objects and dispatcher (gateway/models.py); blocking (tokenizer, template).
+        A pool built after start-up shares the gateway's Redis client and relay at once (its view of the
+        fleet: ModelRegistry); the gateway's own gets them when its lifespan opens them."""
+        calibration = TtftCalibration() if cfg.gateway.ttft_calibration else None  # each model's own speed
+        d = Dispatcher(cfg, Serving(cfg, spec.name), keys.for_model(spec.keyspace), metrics, observer, calibration,
+                       background=background, budgets=budgets)
+        if not own:
+            d.redis, d.relay = registry.own.dispatcher.redis, registry.own.dispatcher.relay
+        front = build_frontend(cfg, fleet_client, d, spec.path or str(sim_model_dir()), spec.name, spec.max_model_len)
+        return ModelPool(spec, front, d, own=own)
+
+    own = build_pool(ModelSpec(served_model, model_path, max_model_len, keyspace_of(served_model, cfg.default_model)),
+                     own=True)
+    dispatcher, front = own.dispatcher, own.front
+    registry = ModelRegistry(own, build_pool, max_model_len)
     rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
     tenants = Tenants(cfg.gateway)  # who is asking, and what they may see (gateway/tenants.py)
 
@@ -83,14 +101,17 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             relay = Relay(cfg.redis, keys)
             await relay.start()
             fleet = FleetView(r, keys, cfg.gateway.worker_liveness_s)
+            dispatcher.redis, dispatcher.relay = r, relay
+            registry.attach(fleet)
             await fleet.start()
+            await registry.learn_now()  # every live model's pool before the first request
         except BaseException:
             await r.aclose()
             raise
-        dispatcher.redis, dispatcher.relay, dispatcher.fleet = r, relay, fleet
         observer.start(r)
-        log.info("gateway serving %r (max_model_len %d, mode %s) with Redis at %s",
-                 served_model, max_model_len, cfg.gateway.mode, redisconn.describe(cfg.redis))
+        log.info("gateway serving %s (max_model_len %d, mode %s) with Redis at %s",
+                 ", ".join(repr(p.name) for p in registry.listed()), max_model_len, cfg.gateway.mode,
+                 redisconn.describe(cfg.redis))
         # What vllm serve does at start-up too: the start-up heap (vLLM, torch, the tokenizer) is
         # moved out of the collector's sight, so full collections no longer pause requests to walk it.
         gc.freeze()
@@ -101,6 +122,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             # killed by whoever stops it, without a word on where.
             await bounded_step("the background responses", responses_api.close(), log)
             await bounded_step("the fleet view", fleet.close(), log)
+            await bounded_step("the model builds", registry.close(), log)
             await bounded_step("the timeline", observer.close(), log)
             await bounded_step("the token relay", relay.close(), log)
             if dispatcher.background:  # let pending cancels reach Redis
@@ -112,62 +134,75 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
-    generation = _GenerationRoutes(cfg, front, rate_limiter, dispatcher.budgets, metrics, tenants)
+    generation = _GenerationRoutes(cfg, registry, rate_limiter, budgets, metrics, tenants)
     # The Responses API's store in Redis around vLLM's own Responses serving (gateway/responses_api.py).
     responses_api = ResponsesApi(cfg, front, tenants, rate_limiter, lambda: dispatcher.redis)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generation.serve(request, "chat", request_model("chat"), front.chat.create_chat_completion)
+        return await generation.serve(request, "chat", request_model("chat"), lambda f: f.chat.create_chat_completion)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generation.serve(request, "completion", request_model("completion"),
-                                      front.completion.create_completion)
+                                      lambda f: f.completion.create_completion)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await generation.serve(request, "responses", request_model("responses"), responses_api.create)
+        return await generation.serve(request, "responses", request_model("responses"), _responses)
+
+    def _responses(f: Frontend) -> Callable[..., Awaitable[Any]]:
+        if f is not front:  # the store's serving objects are the gateway's own model's (gateway/responses_api.py)
+            raise ApiError(400, "the Responses API serves the gateway's own model only "
+                                f"({own.name!r}); use /v1/chat/completions for the others", param="model",
+                           code="model_not_supported")
+        return responses_api.create
 
     responses_api.add_routes(app)  # GET, cancel, DELETE, input_items of stored responses
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await generation.plain(request, request_model("tokenize"), front.tokenization.create_tokenize)
+        return await generation.plain(request, request_model("tokenize"), lambda f: f.tokenization.create_tokenize)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await generation.plain(request, request_model("detokenize"), front.tokenization.create_detokenize)
+        return await generation.plain(request, request_model("detokenize"),
+                                      lambda f: f.tokenization.create_detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         tenants.authenticate(request)
-        return JSONResponse((await front.models.show_available_models()).model_dump())
+        # Each model's own listing by vLLM (its card, its adapters with their parent), one list.
+        listing = await front.models.show_available_models()
+        listing.data = [card for pool in registry.listed()
+                        for card in (await pool.front.models.show_available_models()).data]
+        return JSONResponse(listing.model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        r, fleet, relay = dispatcher.redis, dispatcher.fleet, dispatcher.relay
+        r, fleet, relay = dispatcher.redis, registry.fleet, dispatcher.relay
         try:
             assert r is not None and fleet is not None and relay is not None
             async with asyncio.timeout(1.0):
                 await r.ping()
         except (RedisError, OSError, TimeoutError, AssertionError) as exc:
             return JSONResponse({"status": "unavailable", "error": f"Redis does not answer: {exc}"}, status_code=503)
-        body = {"status": "ok" if relay.connected else "degraded", "workers": dict(fleet.roles),
+        models = {p.name: dict(p.view.roles) for p in registry.listed() if p.view is not None}
+        body = {"status": "ok" if relay.connected else "degraded", "workers": dict(fleet.roles), "models": models,
                 "relay_connected": relay.connected, "in_flight": relay.in_flight}
         return JSONResponse(body, status_code=200 if relay.connected else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        if dispatcher.redis is not None and dispatcher.fleet is not None:
+        if dispatcher.redis is not None and registry.fleet is not None:
             try:  # the fleet-wide queue gauges; without Redis the gateway's own metrics still render
-                await metrics.refresh_fleet(dispatcher.redis, keys, cfg.tier_names, dict(dispatcher.fleet.roles))
+                await metrics.refresh_fleet(dispatcher.redis, keys, cfg.tier_names, dict(registry.fleet.roles))
             except (RedisError, OSError) as exc:
                 log.warning("metrics: cannot read the queues: %s", exc)
         return Response(metrics.render(), media_type=metrics.content_type)
 
     add_timeline_route(app, cfg, keys, lambda: dispatcher.redis, tenants)
-    add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, dispatcher.fleet), tenants)
+    add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, registry.fleet), tenants)
 
     return app
 
@@ -175,11 +210,11 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 class _GenerationRoutes:
     """What every generation route does around vLLM's serving call."""
 
-    def __init__(self, cfg: SkylineConfig, front: Frontend, rate_limiter: KeyRateLimiter, budgets: TokenBudgets,
-                 metrics: GatewayMetrics, tenants: Tenants):
+    def __init__(self, cfg: SkylineConfig, registry: ModelRegistry, rate_limiter: KeyRateLimiter,
+                 budgets: TokenBudgets, metrics: GatewayMetrics, tenants: Tenants):
         self.cfg = cfg
         self.tenants = tenants
-        self.front = front
+        self.registry = registry
         self.rate_limiter = rate_limiter
         self.budgets = budgets
         self.metrics = metrics
@@ -192,9 +227,21 @@ class _GenerationRoutes:
             self.budgets.check(tenant.owner, tenant.tokens_per_minute)
         return json_body(await read_body(request, self.cfg.gateway.max_body_bytes))
 
-    async def plain(self, request: Request, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
+    async def _front(self, body: dict[str, Any]) -> Frontend:
+        """The serving objects of the model the body names (gateway/models.py). A name no model of the
+        fleet ever had goes to the gateway's own model's, whose vLLM code answers it with its 404."""
+        name = body.get("model")
+        pool = await self.registry.find(name if isinstance(name, str) else None)
+        if pool is None and isinstance(name, str) and name in self.registry.failed:
+            raise ApiError(503, f"the gateway cannot serve model {name!r} that its workers serve: "
+                                f"{self.registry.failed[name]}", param="model", code="model_unavailable")
+        return (pool or self.registry.own).front
+
+    async def plain(self, request: Request, model: Any, pick: Callable[[Frontend], Callable[..., Awaitable[Any]]]
+                    ) -> Response:
         """A route that never reaches the fleet (tokenize, detokenize): no token budget to spend."""
         body = await self._body(request, generates=False)
+        handler = pick(await self._front(body))
         try:
             req = _validate(model, body)
         except ValidationError as exc:
@@ -210,11 +257,13 @@ class _GenerationRoutes:
             raise from_vllm(exc) from None
         return _plain_response(result)
 
-    async def serve(self, request: Request, kind: str, model: Any, handler: Callable[..., Awaitable[Any]]) -> Response:
+    async def serve(self, request: Request, kind: str, model: Any,
+                    pick: Callable[[Frontend], Callable[..., Awaitable[Any]]]) -> Response:
         t_arrival, arrival_ms = time.perf_counter(), now_ms()
         try:
             body = await self._body(request)
             spec = pop_slo(body)
+            handler = pick(await self._front(body))
         except ApiError as exc:
             self.metrics.count("", "", exc.status)
             raise

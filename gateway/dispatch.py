@@ -25,7 +25,7 @@ from skyline.core.streams import Reservation, backlog_seen, enqueue, now_ms, que
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.gateway.affinity import CacheMatch, PlacedInFlight, look_up, placement
-from skyline.gateway.fleetview import START_HINT, FleetView
+from skyline.gateway.fleetview import START_HINT, ModelView
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.observe import GatewayObserver
 from skyline.gateway.prepare import Prepared, Serving, needed_stages
@@ -46,7 +46,7 @@ class Dispatcher:
     calibration: TtftCalibration | None
     redis: aioredis.Redis | None = None  # set by the app's lifespan
     relay: Relay | None = None
-    fleet: FleetView | None = None
+    fleet: ModelView | None = None  # its model's workers (gateway/fleetview.py)
     background: set[asyncio.Task] = field(default_factory=set)  # cancel publishes in flight
     budgets: TokenBudgets = field(default_factory=TokenBudgets)  # tenants' token budgets, in this process
 
@@ -119,8 +119,9 @@ class Dispatcher:
             raise ApiError(503, f"the gateway cannot reach Redis ({fleet.error})", code="redis_unavailable")
         if missing:
             hint = " and ".join(f"`{START_HINT[stage]}`" for stage in missing)
-            raise ApiError(503, f"no live {' or '.join(missing)} worker for the {prep.route} route; "
-                                f"start one with {hint}", code="no_workers", headers={"Retry-After": "1"})
+            raise ApiError(503, f"no live {' or '.join(missing)} worker of model {self.serving.served_model!r} for "
+                                f"the {prep.route} route; start one with {hint}", code="no_workers",
+                           headers={"Retry-After": "1"})
         if backlog is not None:
             seen = backlog_seen(backlog, stage_of(prep.route), reserved)
             handoff = handoff_wait_ms(self.admission_policy, cfg.tiers, prep.request.tier,

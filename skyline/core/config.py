@@ -364,6 +364,12 @@ class SkylineConfig:
     tiers: tuple[Tier, ...] = DEFAULT_TIERS
     default_tier: str = "standard"
     key_prefix: str = "skyline"
+    # The served name of the fleet's default model: the model whose queues keep the plain keys
+    # (`skyline:{prefill}:<tier>`), which a request without `model` is served by. A worker of any other
+    # model (`skyline worker decode --model B`) queues under keys named after its model
+    # (skyline/core/keys.py), and the gateways serve it beside the default. "" = the model this config
+    # names before command-line flags ([engine.vllm] model / served-model-name; the built-in default).
+    default_model: str = ""
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -412,7 +418,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
             changes[name] = _make(cls, getattr(cfg, name), data[name], name)
     if "tiers" in data:
         changes["tiers"] = tuple(_tier(n, v) for n, v in data["tiers"].items())
-    for key in ("default_tier", "key_prefix"):
+    for key in ("default_tier", "key_prefix", "default_model"):
         if key in data:
             changes[key] = data[key]
     cfg = replace(cfg, **changes)

@@ -31,6 +31,13 @@ class WorkerInfo:
     max_running: int = 0  # the most requests it holds at once (its placement counts as overloaded there)
     cache_block_size: int = 0  # its engine's prefix-cache block size; 0 = no cache view (placement skips it)
     kv_watermark: float = 0.0  # KV usage from which it claims nothing (decode workers; 0 = no such rule)
+    # The model it serves, as the gateway needs it to serve that model too (gateway/models.py): `model`
+    # is the served name clients send; its queues' keyspace ("" = the default model's plain keys,
+    # keys.keyspace_of); the folder or hub id its engine loaded (the tokenizer and chat template the
+    # gateway renders with; "" = the sim engine's byte tokenizer) and its context length.
+    keyspace: str = ""
+    model_path: str = ""
+    max_model_len: int = 0
     # LoRA (skyline/core/adapters.py): the adapters its engine holds (names, comma-separated), how many it
     # runs at once (vLLM's max_loras; 0 = LoRA off) and what loading one took it (ms, 0 = not measured).
     adapters: str = ""
@@ -91,6 +98,8 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
                 adapters=d.get("adapters", ""), lora_slots=int(d.get("lora_slots", 0)),
                 adapter_load_ms=float(d.get("adapter_load_ms", 0.0)),
+                keyspace=d.get("keyspace", ""), model_path=d.get("model_path", ""),
+                max_model_len=int(d.get("max_model_len", 0)),
             )
         )
     return out

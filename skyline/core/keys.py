@@ -9,10 +9,21 @@ single multi-key XREAD, so all streams of a stage carry the same hash tag
 (`{prefill}` / `{decode}`) and live on one shard. Pub/sub channels are not
 slotted. Per-request and per-worker keys are single-key operations and spread
 freely across shards.
+
+Several models through one fleet: each model's work has its own queues (its
+prefill and decode tier streams, retry and affinity lanes, backlog), named
+by its keyspace (`Keys.model`, `keyspace_of`). The fleet's default model keeps
+the plain keys above (`skyline:{prefill}:interactive`), so a one-model fleet's
+keyspace is what it always was; another model's stage streams carry its name
+in the hash tag (`skyline:{prefill:llama-8b}:interactive`: one model's streams
+of a stage on one shard, different models spread) and its backlog its name
+(`skyline:backlog:llama-8b`). Everything keyed by a request or a worker is
+shared: ids are unique fleet-wide.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PREFILL_GROUP = "prefill"  # consumer group on every prefill tier stream
@@ -20,9 +31,29 @@ DECODE_GROUP = "decode"  # consumer group on every decode tier stream
 STAGES = ("prefill", "decode")
 
 
+def keyspace_of(served_model: str, default_model: str) -> str:
+    """The keyspace of a model's queues: "" (the plain keys) for the fleet's default model (and for any
+    model when no default is named), else its served name with the characters a hash tag or a key
+    pattern would misread (`{`, `}`, `*`, `?`, `[`, `]`, blanks) as `_`."""
+    if not default_model or served_model == default_model:
+        return ""
+    return re.sub(r"[{}*?\[\]\s]", "_", served_model)
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "skyline"
+    # The keyspace of one model's queues ("" = the default model's: the plain keys). Only the
+    # stage-scoped keys below depend on it (tier streams, retry and affinity lanes, the lanes
+    # set, the backlog); `for_model` gives the same prefix's keys of another model.
+    model: str = ""
+
+    def for_model(self, keyspace: str) -> Keys:
+        return self if keyspace == self.model else Keys(self.prefix, keyspace)
+
+    def _stage(self, stage: str) -> str:
+        """`skyline:{prefill}` (default model) or `skyline:{prefill:<model>}`: the hash-tagged stem of a stage."""
+        return f"{self.prefix}:{{{stage}:{self.model}}}" if self.model else f"{self.prefix}:{{{stage}}}"
 
     def stream(self, stage: str, tier: str) -> str:
         """STREAM `skyline:{prefill}:interactive` — work waiting for a stage, one per SLO tier.
@@ -33,7 +64,7 @@ class Keys:
         """
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}")
-        return f"{self.prefix}:{{{stage}}}:{tier}"
+        return f"{self._stage(stage)}:{tier}"
 
     def retry_stream(self, stage: str, tier: str) -> str:
         """STREAM `skyline:{prefill}:interactive:retry` — work of one tier returned to the queue.
@@ -62,7 +93,7 @@ class Keys:
 
         SADD'ed by the gateway with each placement; read by the stage's workers (which streams to
         watch); SREM'ed by a worker's departed-consumer sweep once the lanes are empty."""
-        return f"{self.prefix}:{{{stage}}}:lanes"
+        return f"{self._stage(stage)}:lanes"
 
     def kv_cache(self, worker_id: str) -> str:
         """ZSET `skyline:kvcache:<worker>` — the blocks its engine's prefix cache holds.
@@ -125,7 +156,8 @@ class Keys:
         return f"{self.prefix}:workers"
 
     def worker(self, worker_id: str) -> str:
-        """HASH `skyline:worker:<id>` — role, engine, model, load, address. TTL = 3 heartbeats."""
+        """HASH `skyline:worker:<id>` — role, engine, model (served name, keyspace, what the gateway
+        renders it with), load, address. TTL = 3 heartbeats."""
         return f"{self.prefix}:worker:{worker_id}"
 
     @property
@@ -136,8 +168,9 @@ class Keys:
         the worker when it acks the entry (queued + in progress, so a burst
         sees the work already handed to engines); read by admission control.
         An estimate (a crash between XACK and HINCRBY skews it), clamped at 0.
+        Another model's: `skyline:backlog:<model>`.
         """
-        return f"{self.prefix}:backlog"
+        return f"{self.prefix}:backlog:{self.model}" if self.model else f"{self.prefix}:backlog"
 
     @staticmethod
     def backlog_field(stage: str, tier: str) -> str:

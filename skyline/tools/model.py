@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from skyline.core.config import SkylineConfig
+from skyline.core.config import EngineConfig, SkylineConfig
 from skyline.core.envs import skyline_home
 
 log = logging.getLogger("skyline.model")
@@ -174,12 +174,16 @@ def model_identity(cfg: SkylineConfig) -> tuple[str, str]:
     """(path the engine loads, name clients use). The sim engine loads nothing."""
     ec = cfg.engine
     if ec.kind == "sim":
-        return "", ec.served_model_name or SIM_MODEL_NAME
-    path = resolve_model(ec.model)
+        return "", served_name(ec)
+    return resolve_model(ec.model), served_name(ec)
+
+
+def served_name(ec: EngineConfig) -> str:
+    """The name clients send as `model` for an engine of this config (nothing is loaded to know it)."""
     if ec.served_model_name:
-        name = ec.served_model_name
-    elif ec.model in (None, "", "default"):
-        name = DEFAULT_MODEL_NAME
-    else:
-        name = ec.model if not Path(ec.model).exists() else Path(ec.model).name
-    return path, name
+        return ec.served_model_name
+    if ec.kind == "sim":
+        return SIM_MODEL_NAME
+    if ec.model in (None, "", "default"):
+        return DEFAULT_MODEL_NAME
+    return ec.model if not Path(ec.model).exists() else Path(ec.model).name
