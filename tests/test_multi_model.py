@@ -1,0 +1,135 @@
+"""Several models through one gateway, end to end on the `sim` engine (real processes, real Redis, the
+`openai` client): the default model and a second one (the same sim model under another served name with
+another context length), each served only by its own workers on its own queues; a model whose worker
+joins the running fleet is served within a heartbeat, and its last worker leaving gives 503 at once; a
+model no worker ever served is vLLM's 404; a restarted gateway knows every live model from the start."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import redis
+
+from skyline.core.keys import Keys
+from tests.fleet import Fleet
+from tests.procs import wait_until
+
+A = "skyline-sim"  # the fleet's default model (the sim engine's name, no flag)
+B = "sim-b"  # a second model: its workers started with --served-model-name sim-b --max-model-len 512
+HEARTBEAT_S = 1.0  # worker.heartbeat_s's default
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tmp_path_factory):
+    f = Fleet(redis_url, "multi-model", "sim", tmp_path_factory.mktemp("multi-model-logs"))
+    workers = {"prefill-a": ("prefill",), "decode-a": ("decode",),
+               "elastic-b": ("elastic", "--served-model-name", B, "--max-model-len", "512")}
+    with f.running(workers, timeout_s=120):
+        wait_until(lambda: B in _listed(f.client(5)), 30, "the gateway lists the second model")
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return fleet.client(timeout_s=30)
+
+
+def _listed(client: openai.OpenAI) -> list[str]:
+    return [m.id for m in client.models.list().data]
+
+
+def _chat(client: openai.OpenAI, model: str, content: str = "hello", **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                          max_tokens=8, temperature=0, **kw)
+
+
+def test_models_lists_each_model_with_its_own_context_length(client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {A, B}
+    assert cards[A].model_extra["max_model_len"] == 2048 and cards[B].model_extra["max_model_len"] == 512
+
+
+def test_each_model_is_served_only_by_its_own_workers_on_its_own_queues(fleet, client):
+    r = redis.Redis.from_url(fleet.redis_url)
+    a_keys, b_keys = Keys(fleet.key_prefix), Keys(fleet.key_prefix, B)
+    before_a = r.xlen(a_keys.stream("prefill", "standard"))
+    before_b = r.xlen(b_keys.stream("prefill", "standard"))
+    for _ in range(3):
+        a = _chat(client, A)
+        assert a.model == A
+        assert {a.model_extra["skyline"]["prefill_worker"], a.model_extra["skyline"]["decode_worker"]} \
+            <= {"prefill-a", "decode-a"}
+        b = _chat(client, B)
+        assert b.model == B
+        ext = b.model_extra["skyline"]
+        assert ext["decode_worker"] == "elastic-b" and ext.get("prefill_worker") in (None, "", "elastic-b")
+    # Each model's requests went through its own streams (min_remote_prefill_tokens 0: every prompt
+    # is queued for a prefill), never the other's.
+    assert r.xlen(a_keys.stream("prefill", "standard")) == before_a + 3
+    assert r.xlen(b_keys.stream("prefill", "standard")) == before_b + 3
+    assert b_keys.stream("prefill", "standard") == f"{fleet.key_prefix}:{{prefill:{B}}}:standard"
+
+
+def test_a_request_is_checked_against_its_own_models_context_length(client):
+    long = "x" * 700  # ~700 tokens with the sim byte tokenizer: over B's 512, under A's 2048
+    assert _chat(client, A, long).usage.prompt_tokens > 512
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, B, long)
+    assert "512" in err.value.message
+
+
+def test_a_model_no_worker_ever_served_is_vllms_unknown_model_error(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        _chat(client, "no-such-model")
+    body = err.value.body
+    assert err.value.status_code == 404
+    assert body["message"].startswith("The model `no-such-model` does not exist.") and body["param"] == "model"
+    assert body["type"] == "NotFoundError"
+
+
+def test_a_new_models_worker_is_served_within_a_heartbeat_and_its_last_leaving_gives_503(fleet, client):
+    c = "sim-c"
+    r = redis.Redis.from_url(fleet.redis_url)
+    fleet.start_worker("decode-c", "decode", "--served-model-name", c, "--max-model-len", "1024")
+    try:
+        # Registered: its first heartbeat is in Redis (the worker is up). From then on, one heartbeat.
+        wait_until(lambda: r.exists(f"{fleet.key_prefix}:worker:decode-c"), 60, "decode-c registered")
+        t0 = time.monotonic()
+        wait_until(lambda: c in _listed(client), 5, "the gateway lists sim-c")
+        assert time.monotonic() - t0 <= HEARTBEAT_S + 0.5
+        # A short prompt with no prefill worker of sim-c: the colocated route, on sim-c's decode worker.
+        resp = client.chat.completions.create(model=c, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              extra_headers={"x-skyline-route": "colocated"})
+        assert resp.model == c and resp.model_extra["skyline"]["decode_worker"] == "decode-c"
+        # The disaggregated route needs a prefill worker of sim-c, which it has not: 503 (not A's pool).
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=c, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           extra_headers={"x-skyline-route": "disagg"})
+        assert err.value.status_code == 503 and "sim-c" in err.value.message
+    finally:
+        fleet.stop("decode-c")
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=c, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_headers={"x-skyline-route": "colocated"})
+    assert err.value.status_code == 503 and err.value.body["code"] == "no_workers"
+    assert time.monotonic() - t0 < 2.0  # at once, not after a request timeout
+    assert c not in _listed(client) and B in _listed(client)
+
+
+def test_a_restarted_gateway_knows_every_live_model_at_once(fleet):
+    fleet.stop("gateway")
+    fleet.start_gateway()
+    wait_until(lambda: _up(fleet), 60, "the gateway is back")
+    client = fleet.client(timeout_s=30)
+    assert set(_listed(client)) == {A, B}  # its first answer: no heartbeat waited for
+    assert _chat(client, B).model_extra["skyline"]["decode_worker"] == "elastic-b"
+
+
+def _up(fleet: Fleet) -> bool:
+    try:
+        return bool(fleet.health())
+    except OSError:
+        return False
