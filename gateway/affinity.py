@@ -55,7 +55,7 @@ def look_up(workers: list[WorkerInfo], req: GenerateRequest, max_blocks: int) ->
     """What to read to learn how much of the request's prompt each live worker's engine holds
     (None: no worker reports a cache, nothing to read)."""
     reporting = [w for w in workers if w.cache_block_size]
-    if not reporting:
+    if not reporting or req.adapter is not None:  # no view holds blocks computed with an adapter (vllm_kv_events.py)
         return None
     block_size = reporting[0].cache_block_size  # one model, one block size; others are not comparable
     reporting = [w for w in reporting if w.cache_block_size == block_size]

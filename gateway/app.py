@@ -35,6 +35,7 @@ from skyline.core.keys import Keys, keyspace_of
 from skyline.core.sim_model import sim_model_dir
 from skyline.core.stopping import bounded_step
 from skyline.core.streams import ensure_groups, now_ms
+from skyline.gateway.adapters import FleetAdapters
 from skyline.gateway.batch_routes import batch_router
 from skyline.gateway.dashboard import add_dashboard_routes
 from skyline.gateway.dispatch import Dispatcher
@@ -90,6 +91,9 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     registry = ModelRegistry(own, build_pool, max_model_len)
     rate_limiter = KeyRateLimiter(RateLimit(cfg.gateway.rate_limit_rps, cfg.gateway.rate_limit_burst))
     tenants = Tenants(cfg.gateway)  # who is asking, and what they may see (gateway/tenants.py)
+    # The fleet's LoRA adapters (gateway/adapters.py): every pool's serving models kept in step with Redis.
+    lora = FleetAdapters(keys, registry, lambda: dispatcher.redis)
+    fleet_client.adapters = lora  # vLLM's load_lora_adapter calls its engine client's add_lora
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -105,6 +109,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             registry.attach(fleet)
             await fleet.start()
             await registry.learn_now()  # every live model's pool before the first request
+            await lora.sync()  # every adapter too
+            lora.start()
         except BaseException:
             await r.aclose()
             raise
@@ -121,6 +127,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
             # Every step of the way out is bounded, as a worker's is: a gateway that hangs here is
             # killed by whoever stops it, without a word on where.
             await bounded_step("the background responses", responses_api.close(), log)
+            await bounded_step("the adapter registry", lora.close(), log)
             await bounded_step("the fleet view", fleet.close(), log)
             await bounded_step("the model builds", registry.close(), log)
             await bounded_step("the timeline", observer.close(), log)
@@ -159,6 +166,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         return responses_api.create
 
     responses_api.add_routes(app)  # GET, cancel, DELETE, input_items of stored responses
+    lora.add_routes(app, tenants)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

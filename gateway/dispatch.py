@@ -22,6 +22,7 @@ from skyline.core import messages
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import STAGES, Keys
 from skyline.core.streams import Reservation, backlog_seen, enqueue, now_ms, queue_reservation, release_backlog
+from skyline.gateway import adapters
 from skyline.gateway.admission import apply_admission, learn
 from skyline.gateway.errors import ApiError
 from skyline.gateway.affinity import CacheMatch, PlacedInFlight, look_up, placement
@@ -53,6 +54,7 @@ class Dispatcher:
     def __post_init__(self) -> None:
         self.admission_policy = self.cfg.admission_policy()
         self.affinity_policy = self.cfg.affinity_policy()
+        self.adapter_policy = adapters.adapter_policy(self.cfg.gateway)
         self.placed = PlacedInFlight()  # placed requests not ended yet, by worker: load heartbeats lag behind
 
     async def submit(self, prep: Prepared) -> Session:
@@ -127,6 +129,8 @@ class Dispatcher:
             handoff = handoff_wait_ms(self.admission_policy, cfg.tiers, prep.request.tier,
                                       backlog_seen(backlog, "decode", reserved),
                                       pool_rate(fleet.workers, "decode")) if prep.route == "disagg" else 0.0
+            # A request whose adapter no engine of its stage holds waits for one to load it.
+            handoff += adapters.load_wait(self.adapter_policy, fleet.workers, stage_of(prep.route), prep.request)
             prep = apply_admission(cfg, self.admission_policy, fleet, prep, seen, self.metrics, self.calibration,
                                    handoff)
         return prep
@@ -170,6 +174,10 @@ class Dispatcher:
     def _placed(self, prep: Prepared, match: CacheMatch | None) -> Prepared:
         """The worker to wait for (gateway/affinity.py), and what its engine has left to compute: the
         placed worker's, or the only worker's of the stage; otherwise unknown (all of the prompt)."""
+        if prep.request.adapter is not None:  # placed by its adapter: no prefix view holds adapter blocks
+            assert self.fleet is not None
+            return replace(prep, placement=adapters.placement(self.adapter_policy, self.fleet.workers,
+                                                              stage_of(prep.route), prep.request, self.placed))
         if match is None:
             return prep
         stage = stage_of(prep.route)

@@ -15,8 +15,10 @@ collects every failure that happens before the first output, so the route can
 answer it with its own HTTP status instead of a 200 stream that begins with an
 error (vLLM's stream generators turn any exception into an error chunk).
 
-Engine management calls (sleep, LoRA, profiling, cache resets) are not the
-gateway's to make: they raise NotImplementedError, and no route calls them.
+Engine management calls (sleep, profiling, cache resets) are not the gateway's to
+make: they raise NotImplementedError, and no route calls them. LoRA's `add_lora` is
+the fleet's load of an adapter (gateway/adapters.py); a request whose `model` is an
+adapter carries it to the workers (`GenerateRequest.adapter`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import contextvars
 import logging
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -101,6 +103,14 @@ class FleetClient:
     errored = property(lambda self: False)
     dead_error = property(lambda self: RuntimeError("the Skyline fleet client does not die"))
 
+    adapters: Any = None  # the fleet's LoRA adapters (gateway/adapters.py FleetAdapters), set by the app
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """vLLM's load_lora_adapter asks its engine to load the adapter: here, the fleet's registry does."""
+        if self.adapters is None:
+            raise RuntimeError("this gateway serves no LoRA adapters")
+        return await self.adapters.add(lora_request)
+
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """Admission needs the prompt's length, known only in generate(); it runs there (see the module doc)."""
 
@@ -126,6 +136,9 @@ class FleetClient:
             prep = prepare(self.dispatcher.serving, scope.kind, scope.raw, scope.slo, fleet_id, ids,
                            sampling_params, scope.stream, scope.include_usage, scope.arrival_ms, scope.t_arrival,
                            cache_salt=prompt.get("cache_salt"), strictest_tier=tenant.strictest_tier)
+            if lora_request is not None:  # the adapter the request's `model` named, as vLLM's serving models resolved it
+                prep = replace(prep, request=replace(prep.request, adapter=messages.AdapterRef(
+                    lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)))
             # The token budget, in this process: before anything touches Redis (gateway/ratelimit.py).
             spent = self.dispatcher.budgets.admit(tenant.owner, tenant.tokens_per_minute, len(ids))
             try:
@@ -194,7 +207,9 @@ class FleetClient:
                                    value=priority)
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
             raise validation_error("Skyline serves token prompts only (no multimodal inputs)", parameter="prompt")
-        check_inputs(self.input_processor, request_id, prompt, params, lora_request)
+        # The adapter is not checked against a LoRA config here: the gateway runs no engine; vLLM's serving
+        # models resolved it from the fleet's registry, and the engine that runs it checks it.
+        check_inputs(self.input_processor, request_id, prompt, params)
         # vLLM bounds top_k only in its engine, which takes any top_k at or past the vocabulary as the
         # whole vocabulary (v1 InputBatch). Say so here: a top_k past 64 bits does not encode for the
         # workers, and would be a 500 for a request that means "no top-k".

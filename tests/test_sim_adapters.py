@@ -38,7 +38,7 @@ async def test_one_slot_runs_one_adapter_at_a_time_and_a_load_costs_its_time():
         # b waited for a's 20 tokens (its slot), then paid a load of its own: two loads in all.
         assert done["b1"] > done["a1"]
         assert engine.loads == 2 and done["b1"] - t0 >= 0.4
-        assert await engine.adapters() == ["b"]  # one slot keeps one adapter: a was evicted
+        assert await engine.adapters() == {2: "b"}  # one slot keeps one adapter: a was evicted
         assert engine.adapter_load_ms == pytest.approx(200.0)
         # b is held: no load this time.
         t1 = time.monotonic()
@@ -57,9 +57,9 @@ async def test_two_slots_run_two_adapters_together_and_keep_the_most_recent():
         await asyncio.gather(run(engine, req("a1", A, max_tokens=30), done), run(engine, req("b1", B), done))
         assert done["b1"] < done["a1"]  # b did not wait for a: a slot each
         await run(engine, req("c1", C), done)
-        assert sorted(await engine.adapters()) == ["b", "c"]  # a, least recently used, evicted
+        assert await engine.adapters() == {2: "b", 3: "c"}  # a, least recently used, evicted
         await engine.remove_adapter(2)
-        assert await engine.adapters() == ["c"]
+        assert await engine.adapters() == {3: "c"}
     finally:
         await engine.shutdown()
 

@@ -304,6 +304,13 @@ class GatewayConfig:
     affinity_slack_share: float = 0.5
     affinity_max_wait_ms: int = 2_000
     affinity_max_blocks: int = 512  # blocks of a prompt hashed and looked up (bounds a long prompt's cost)
+    # Adapter affinity (scheduler/adapters.py): a request naming a LoRA adapter waits for the least loaded
+    # worker whose engine holds it, for the same share of its slack and at most as long as prefix
+    # affinity's wait (or what loading it elsewhere takes, never past the slack); then any worker takes it
+    # and loads it. Admission adds one load (the workers' measured mean, else adapter_load_ms) where no
+    # engine of the stage holds it. Off: adapter-blind (the shared queue, no load counted).
+    adapter_affinity: bool = True
+    adapter_load_ms: float = 200.0
 
 
 @dataclass(frozen=True)

@@ -173,10 +173,13 @@ class Engine(abc.ABC):
     # it does not hold it yet; `adapter_load_ms` is what its loads took (mean, 0 = none measured).
     lora_slots: int = 0
     adapter_load_ms: float = 0.0
+    # `vllm serve`'s --lora-modules given to this engine's worker (vLLM's LoRAModulePath each): the worker
+    # registers them in the fleet's registry at start.
+    static_adapters: tuple = ()
 
-    async def adapters(self) -> list[str]:
-        """The adapters the engine holds (loaded, not evicted), by name."""
-        return []
+    async def adapters(self) -> dict[int, str]:
+        """The adapters the engine holds (loaded, not evicted): lora id -> name."""
+        return {}
 
     async def remove_adapter(self, lora_id: int) -> None:
         """Drop the adapter loaded under `lora_id` (unloaded from the fleet). Unknown ids are ignored."""

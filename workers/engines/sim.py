@@ -167,8 +167,8 @@ class SimEngine(Engine):
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
 
-    async def adapters(self) -> list[str]:
-        return list(self._loras.values())
+    async def adapters(self) -> dict[int, str]:
+        return dict(self._loras)
 
     async def remove_adapter(self, lora_id: int) -> None:
         self._loras.pop(lora_id, None)

@@ -102,6 +102,7 @@ class VllmEngine(Engine):
         # every one reaches the engine; where one is also a default here (eager, KV cache size, chunked
         # prefill), the user's wins; what Skyline controls was refused at start (engine_args.refusals).
         self.engine_args = dict(engine_args or {})
+        self.static_adapters = tuple(self.engine_args.pop("lora_modules", None) or ())  # the worker's to register
         self.engine_nice = engine_nice
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -467,13 +468,13 @@ class VllmEngine(Engine):
                      self._adapter_loads[-1])
         return lora
 
-    async def adapters(self) -> list[str]:
+    async def adapters(self) -> dict[int, str]:
         if self._llm is None or not self.lora_slots:
-            return []
+            return {}
         held = await self._llm.list_loras()
         for lora_id in [i for i in self._adapter_names if i not in held]:  # evicted by vLLM: loaded again on use
             del self._adapter_names[lora_id]
-        return sorted(self._adapter_names[i] for i in held if i in self._adapter_names)
+        return {i: self._adapter_names[i] for i in sorted(held) if i in self._adapter_names}
 
     async def remove_adapter(self, lora_id: int) -> None:
         if self._llm is not None and self._adapter_names.pop(lora_id, None) is not None:
