@@ -6,6 +6,9 @@ model no worker ever served is vLLM's 404; a restarted gateway knows every live 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import openai
@@ -133,3 +136,18 @@ def _up(fleet: Fleet) -> bool:
         return bool(fleet.health())
     except OSError:
         return False
+
+
+def test_skyline_status_shows_each_models_queues_and_workers(fleet):
+    out = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--once", "--json",
+                          "--redis-url", fleet.redis_url, "--key-prefix", fleet.key_prefix],
+                         capture_output=True, text=True, timeout=60, check=True)
+    snap = json.loads(out.stdout)
+    assert snap["models"][A] == {"keyspace": "", "workers": 2} and snap["models"][B] == {"keyspace": B, "workers": 1}
+    rows = {(s["model"], s["stage"], s["tier"]): s for s in snap["streams"]}
+    assert rows[(B, "prefill", "standard")]["length"] >= 3  # B's requests, on B's stream
+    assert {w["worker_id"]: w["model"] for w in snap["workers"]} == {"prefill-a": A, "decode-a": A, "elastic-b": B}
+    text = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--once",
+                           "--redis-url", fleet.redis_url, "--key-prefix", fleet.key_prefix],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"{B}/prefill:standard" in text and f"{B}/elastic-b" in text

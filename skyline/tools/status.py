@@ -1,7 +1,8 @@
 """`skyline status`: the queues, the fleet and recent SLO attainment as Redis sees them.
 
 A live terminal view (redrawn every second, fits 100 columns), `--once` for
-scripts, `--json` for tools. SLO attainment comes from the per-minute
+scripts, `--json` for tools. A fleet of several models shows each model's
+streams (and workers) under its served name. SLO attainment comes from the per-minute
 counters every gateway writes (skyline/core/slo_record.py).
 
 The same numbers are available by hand (README "Looking at the queues", docs/operations.md):
@@ -33,11 +34,18 @@ async def snapshot(r, cfg: SkylineConfig) -> dict:
     """Streams, workers and recent SLO attainment, as one JSON-able dict."""
     keys = Keys(cfg.key_prefix)
     now = time.time()
-    streams = await read_streams(r, keys, cfg.tier_names)
     workers = await list_workers(r, keys, liveness_s=cfg.gateway.worker_liveness_s)
+    # Every model's queues (skyline/core/keys.py): the default model's plain keys, and each live model's.
+    models = {"": next((w.model for w in workers if not w.keyspace), cfg.default_model)}
+    for w in workers:
+        models.setdefault(w.keyspace, w.model)
+    streams = [{**asdict(s), "model": name} for keyspace, name in models.items()
+               for s in await read_streams(r, keys.for_model(keyspace), cfg.tier_names)]
     minutes = await read_minutes(r, keys, int(now * 1000), max(ATTAINMENT_WINDOWS))
     slo = {f"{w}m": {t: attainment(minutes[-w:], t) for t in (*cfg.tier_names, None)} for w in ATTAINMENT_WINDOWS}
-    return {"redis": redisconn.describe(cfg.redis), "time": now, "streams": [asdict(s) for s in streams],
+    return {"redis": redisconn.describe(cfg.redis), "time": now, "streams": streams,
+            "models": {name: {"keyspace": keyspace, "workers": sum(w.keyspace == keyspace for w in workers)}
+                       for keyspace, name in models.items()},
             "workers": [asdict(w) for w in workers], "max_running": cfg.worker.max_running,
             "slo_attainment": {w: {t or "all": a for t, a in by_tier.items()} for w, by_tier in slo.items()}}
 
@@ -70,8 +78,10 @@ def render(snap: dict) -> str:
         lines.append("")
     lines.append(f"{'STREAM':<28} {'waiting':>8} {'claimed':>8} {'backlog tokens':>15} {'length':>9} "
                  f"{'consumers':>10}")
+    several = len(snap.get("models", {})) > 1  # then each stream and worker names its model
     for s in snap["streams"]:
-        lines.append(f"{s['stage'] + ':' + s['tier']:<28} {s.get('waiting', 0):>8} {s['pending']:>8} "
+        name = (f"{s['model']}/" if several else "") + f"{s['stage']}:{s['tier']}"
+        lines.append(f"{name[-28:]:<28} {s.get('waiting', 0):>8} {s['pending']:>8} "
                      f"{s.get('backlog_tokens', 0):>15,} {s['length']:>9} {s['consumers']:>10}")
     lines += ["", f"{'WORKER':<28} {'role':<8} {'engine':<6} {'running':>7} {'load':<12} {'waiting':>7} "
                   f"{'kv':>5} {'tok/s':>7} {'seen':>6}"]
@@ -80,7 +90,8 @@ def render(snap: dict) -> str:
         filled = min(10, round(10 * w["running"] / cap))
         bar = "[" + "#" * filled + "." * (10 - filled) + "]"
         rate = f"{w.get('tokens_per_s', 0):,.0f}" if w["role"] == "prefill" else "-"
-        lines.append(f"{w['worker_id'][:28]:<28} {w['role']:<8} {w['engine']:<6} {w['running']:>7} {bar:<12} "
+        wid = (f"{w['model']}/" if several else "") + w["worker_id"]
+        lines.append(f"{wid[:28]:<28} {w['role']:<8} {w['engine']:<6} {w['running']:>7} {bar:<12} "
                      f"{w['waiting']:>7} {w['kv_usage'] * 100:>4.0f}% {rate:>7} {now - w['last_seen']:>5.1f}s")
     if not snap["workers"]:
         lines.append("(no live workers: start one with `skyline worker elastic|prefill|decode`)")
