@@ -255,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
 
     if g("default_model"):
         cfg = replace(cfg, default_model=g("default_model"))
-    elif not cfg.default_model:
+    elif not cfg.default_model and g("command") != "up":  # `up`'s: the model it starts (main)
         cfg = replace(cfg, default_model=_default_model(g("config") or envs.CONFIG.get() or None, overrides))
 
     if g("key_prefix"):
@@ -378,6 +378,12 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.gateway.mode == "colocated":
             roles = [r for r in roles if r != "prefill"]
         cfg = resolve_engine_args(cfg, (None, *roles), "skyline up")
+        if not cfg.default_model:  # the model `up` starts is its fleet's default (every child is told so)
+            from dataclasses import replace
+
+            from skyline.tools.model import served_name
+
+            cfg = replace(cfg, default_model=served_name(cfg.engine))
         sys.exit(up(cfg, args))
     elif args.command == "gateway":
         from skyline.gateway.server import serve

@@ -197,6 +197,8 @@ def _spawn(name: str, role: str, argv: list[str], env: dict[str, str], children:
 
 def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
     out = ["--redis-url", cfg.redis.url, "--engine", cfg.engine.kind, "--key-prefix", cfg.key_prefix]
+    if cfg.default_model:  # the model `up` starts keeps the plain keys, whatever flags named it
+        out += ["--default-model", cfg.default_model]
     if args.config:
         out += ["--config", args.config]
     out += ["--log-format", cfg.observability.log_format]
