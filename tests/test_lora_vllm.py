@@ -1,0 +1,197 @@
+"""LoRA adapters with real vLLM engines, against plain `vllm serve --enable-lora --lora-modules`.
+
+An adapter is made at test time from the default model with `peft` (rank 8 on q_proj/v_proj, seeded
+non-zero weights, so it changes the greedy answer; nothing from a hub). Started once for this module,
+side by side: a plain vLLM OpenAI server serving it as `sql` (`--enable-lora --lora-modules sql=PATH`),
+and a Skyline fleet (one prefill and one decode worker on real vLLM engines, KV over NIXL) whose workers
+take the same `--enable-lora --lora-modules sql=PATH`. Skyline's greedy answers with the adapter equal
+the plain server's token for token, streamed and not, through both routes; and so do those of the same
+adapter loaded at run time through the gateway, after an unload and a reload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from skyline.core.net import free_port
+from tests.fleet import Fleet
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "SmolLM2-135M-Instruct"
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+ROUTES = ("disagg", "colocated")
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+
+
+def make_adapter(model_dir: str, out_dir: str) -> str:
+    """A PEFT LoRA adapter of the model at `model_dir`: rank 8 on q_proj and v_proj, seeded weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)  # B non-zero, and large enough that the adapter changes the greedy answer
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def reference_server(adapter: str, log_path):
+    """A plain vLLM OpenAI server serving `adapter` as `sql` (`vllm serve` under this distribution's name)."""
+    from skyline.tools.model import resolve_model
+    from skyline.workers.engines import engine_processes
+
+    port = free_port()
+    log = open(log_path, "wb")
+    cores = sorted(os.sched_getaffinity(0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
+         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+         "--host", "127.0.0.1", "--port", str(port), *LORA_FLAGS, "--lora-modules", f"sql={adapter}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
+                 **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_up(proc, url: str, log_path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reference vLLM server exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("reference vLLM server did not start")
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from skyline.tools.model import resolve_model
+
+    return make_adapter(resolve_model("default"), str(tmp_path_factory.mktemp("lora") / "sql"))
+
+
+@pytest.fixture(scope="module")
+def both(redis_url, tmp_path_factory, adapter):
+    """(reference URL, Skyline fleet), started together (their engines load at once)."""
+    logs = tmp_path_factory.mktemp("lora-logs")
+    f = Fleet(redis_url, "lora-vllm", "vllm", logs, ["--model", "default"])
+    cores = sorted(os.sched_getaffinity(0))
+    static = (*LORA_FLAGS, "--lora-modules", f"sql={adapter}")
+    workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0]), *static),
+               "decode-0": ("decode", "--cpu-bind", str(cores[-1]), *static)}
+    with reference_server(adapter, logs / "reference.log") as (proc, url):
+        with f.running(workers, timeout_s=600):
+            _wait_up(proc, url, logs / "reference.log")
+            yield url, f
+
+
+@pytest.fixture(scope="module")
+def clients(both):
+    url, fleet = both
+    ref = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return ref, fleet.client(timeout_s=120)
+
+
+def _answer(client, model: str, kind: str, stream: bool, route: str | None = None) -> str:
+    headers = {"x-skyline-route": route} if route else None
+    if kind == "chat":
+        kw = dict(model=model, messages=CHAT, max_tokens=24, temperature=0, extra_headers=headers)
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        r = client.chat.completions.create(**kw)
+        assert r.model == model
+        return r.choices[0].message.content
+    kw = dict(model=model, prompt=PROMPT, max_tokens=24, temperature=0, extra_headers=headers)
+    if stream:
+        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    r = client.completions.create(**kw)
+    assert r.model == model
+    return r.choices[0].text
+
+
+def test_the_adapter_changes_the_answer(clients):
+    ref, _ = clients
+    for kind in ("chat", "completion"):
+        assert _answer(ref, "sql", kind, False) != _answer(ref, MODEL, kind, False), kind
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_static_adapter_answers_as_plain_vllm_serve(clients, route):
+    ref, sky = clients
+    for kind in ("chat", "completion"):
+        want = _answer(ref, "sql", kind, False)
+        for stream in (False, True):
+            assert _answer(sky, "sql", kind, stream, route) == want, (kind, stream, route)
+
+
+def test_models_lists_the_adapter_with_its_parent(clients):
+    ref, sky = clients
+    cards = {m.id: m for m in sky.models.list().data}
+    ref_cards = {m.id: m for m in ref.models.list().data}
+    assert cards["sql"].model_extra["parent"] == ref_cards["sql"].model_extra["parent"] == MODEL
+    assert cards["sql"].model_extra["root"] == ref_cards["sql"].model_extra["root"]
+
+
+def test_an_adapter_loaded_at_run_time_unloaded_and_reloaded_answers_as_plain_vllm_serve(both, clients, adapter):
+    url, fleet = both
+    ref, sky = clients
+    want = {kind: _answer(ref, "sql", kind, False) for kind in ("chat", "completion")}
+    gw = httpx.Client(base_url=fleet.url, timeout=60)
+    r = gw.post("/v1/load_lora_adapter", json={"lora_name": "sql-live", "lora_path": adapter})
+    assert r.status_code == 200 and "sql-live" in r.text, r.text
+    assert gw.post("/v1/load_lora_adapter", json={"lora_name": "sql-live", "lora_path": adapter}).status_code == 400
+    missing = gw.post("/v1/load_lora_adapter", json={"lora_name": "nowhere", "lora_path": "/nonexistent/adapter"})
+    assert missing.status_code == 404, missing.text  # vLLM's own answer for an adapter it cannot find
+    for route in ROUTES:
+        for kind in ("chat", "completion"):
+            for stream in (False, True):
+                assert _answer(sky, "sql-live", kind, stream, route) == want[kind], (route, kind, stream)
+
+    assert gw.post("/v1/unload_lora_adapter", json={"lora_name": "sql-live"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        _answer(sky, "sql-live", "chat", False)
+    assert "sql-live" not in {m.id for m in sky.models.list().data}
+
+    assert gw.post("/v1/load_lora_adapter", json={"lora_name": "sql-live", "lora_path": adapter}).status_code == 200
+    for route in ROUTES:
+        assert _answer(sky, "sql-live", "chat", True, route) == want["chat"], route
+        assert _answer(sky, "sql-live", "completion", False, route) == want["completion"], route
+    # The engines that ran it say so in their heartbeats (what adapter-aware placement reads); the id
+    # unloaded is gone from them (their two slots' cache now holds the reloaded one).
+    import redis
+
+    r = redis.Redis.from_url(fleet.redis_url)
+    for worker in ("prefill-0", "decode-0"):
+        held = (r.hget(f"{fleet.key_prefix}:worker:{worker}", "adapters") or b"").decode().split(",")
+        assert "sql-live" in held, (worker, held)
+        assert int(r.hget(f"{fleet.key_prefix}:worker:{worker}", "lora_slots")) == 2
