@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,9 @@ class ModelRegistry:
         """`pool_for`, after one fresh look at the fleet when the name is not known yet (a worker of it
         may have started since the last refresh) and after its pool's build, if one is in progress."""
         pool = self.pool_for(requested)
-        if pool is None and self.fleet is not None and requested not in self.failed:
+        # At most one fresh read per 50 ms, however many requests name unknown models.
+        if pool is None and self.fleet is not None and requested not in self.failed \
+                and time.monotonic() - self.fleet.refreshed_at > 0.05:
             await self.fleet.refresh()
             pool = self.pool_for(requested)
         if pool is None:

@@ -151,3 +151,35 @@ def test_skyline_status_shows_each_models_queues_and_workers(fleet):
                            "--redis-url", fleet.redis_url, "--key-prefix", fleet.key_prefix],
                           capture_output=True, text=True, timeout=60, check=True).stdout
     assert f"{B}/prefill:standard" in text and f"{B}/elastic-b" in text
+
+
+def test_the_default_model_keeps_the_plain_keys_and_another_gets_its_own():
+    from skyline.core.keys import keyspace_of
+
+    plain = Keys("skyline")
+    assert (plain.stream("prefill", "interactive"), plain.backlog, plain.affinity_lanes("decode")) == \
+        ("skyline:{prefill}:interactive", "skyline:backlog", "skyline:{decode}:lanes")
+    assert keyspace_of(A, A) == "" and keyspace_of(A, "") == "" and keyspace_of("org/m {x}", A) == "org/m__x_"
+    b = plain.for_model(keyspace_of(B, A))
+    assert (b.stream("decode", "batch"), b.retry_stream("decode", "batch"), b.affinity_lane("decode", "batch", "w"),
+            b.affinity_lanes("prefill"), b.backlog) == (
+        f"skyline:{{decode:{B}}}:batch", f"skyline:{{decode:{B}}}:batch:retry", f"skyline:{{decode:{B}}}:batch:@w",
+        f"skyline:{{prefill:{B}}}:lanes", f"skyline:backlog:{B}")
+    # Request- and worker-scoped keys are shared by every model.
+    assert (b.tokens("r"), b.run("r"), b.worker("w"), b.workers) == \
+        (plain.tokens("r"), plain.run("r"), plain.worker("w"), plain.workers)
+
+
+def test_the_command_line_names_the_default_model_before_its_model_flags():
+    from skyline.cli import build_parser, config_from_args
+
+    def cfg_of(*argv: str):
+        args, rest = build_parser().parse_known_args(list(argv))
+        args.engine_argv = rest
+        return config_from_args(args)
+
+    # A worker of another model, with the fleet's config: the default is what the config names.
+    assert cfg_of("worker", "decode", "--engine", "sim", "--served-model-name", B).default_model == A
+    assert cfg_of("gateway", "--engine", "sim", "--served-model-name", B).default_model == A
+    assert cfg_of("gateway", "--served-model-name", B).default_model == "SmolLM2-135M-Instruct"
+    assert cfg_of("gateway", "--engine", "sim", "--default-model", B).default_model == B
