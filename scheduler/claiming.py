@@ -28,7 +28,12 @@ for a new entry at once, and whichever answers first takes it. A worker whose
 engine already computes prompts waits before it claims one more prompt when a
 live peer of the prompt's stage, as its last heartbeat said, would be free of
 its own prompts sooner (`freest_peers`), for the difference of their times to
-free (at most `CLAIM_DEFER_MAX_S`): so an engine computing nothing, or less,
+free (at most `CLAIM_DEFER_MAX_S`). Both sides count the same thing: the prompt
+tokens the engine has left (`tokens_left`), and a peer's time to free runs
+from its heartbeat, so that a view read a beat ago does not make a peer that
+has since freed look busy (counting a peer's whole prompts, or its time from
+the read, made busy engines take queued prompts while a peer went idle). So
+an engine computing nothing, or less,
 takes the prompt first: join the shortest queue, decided by the workers
 themselves. Measured on the two-engine fleet (vllm bench serve, 128/32 at
 2 req/s), without it the engine already computing won four prompts in a row
@@ -70,7 +75,7 @@ def claim_defer_s(prefill_tokens: int, rank: int, left_tokens: int, computing_ra
     """How long a worker waits before claiming a head of `prefill_tokens` prompt tokens to compute, of tier
     rank `rank`, while its engine has `left_tokens` tokens left to compute (`tokens_left`) of prompts of
     ranks `computing_ranks`, at `tokens_per_s`; `peer_free_s`: when the freest live peer that may claim the
-    head is free of its own prompts, in seconds from its heartbeat (`FreestPeers.free_s`; None: no peer).
+    head is free of its own prompts, in seconds from now (`FreestPeers.free_s`; None: no peer).
     The difference of the two times to free, at most `max_s`; 0 = claim it now (no peer frees sooner)."""
     if max_s <= 0 or prefill_tokens <= 0 or left_tokens <= 0 or tokens_per_s <= 0 or peer_free_s is None:
         return 0.0
@@ -106,25 +111,27 @@ def tokens_left(prompts: Iterable[tuple[int, float, int | None]], tokens_per_s: 
 
 class PeerCompute(PeerLoad, Protocol):
     """A peer's heartbeat as placement reads it (`PeerLoad`: its `running_tokens` are every prompt a
-    prefill worker holds), with the rate its prompts are computed at."""
+    prefill worker holds), with how much of them it has left and the rate it computes them at."""
 
     tokens_per_s: float  # its measured prompt rate (0: not measured yet)
+    left_tokens: int  # prompt tokens its engine had left to compute at the beat (`tokens_left`)
+    last_seen: float  # when it beat, in the clock `freest_peers` and `FreestPeers.free_s` are given
 
 
 @dataclass(frozen=True)
 class FreestPeers:
     """For each stage, the two workers that may claim its prompts and are free of their own first, as their
-    heartbeats said: (seconds to free, worker id), freest first. Two, so that every worker finds its
+    heartbeats said: (when it is free, worker id), freest first. Two, so that every worker finds its
     freest peer other than itself in one look, however large the fleet."""
 
     by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
 
-    def free_s(self, me: str, stage: str) -> float | None:
-        """When the freest peer of worker `me` that may claim `stage`'s prompts is free, in seconds from its
-        heartbeat; None when it has no such peer."""
-        for seconds, worker_id in self.by_stage.get(stage, ()):
+    def free_s(self, me: str, stage: str, now: float) -> float | None:
+        """In how many seconds from `now` the freest peer of worker `me` that may claim `stage`'s prompts is
+        free (0: it should be already); None when it has no such peer."""
+        for free_at, worker_id in self.by_stage.get(stage, ()):
             if worker_id != me:
-                return seconds
+                return max(0.0, free_at - now)
         return None
 
 
@@ -133,17 +140,18 @@ NO_PEERS = FreestPeers()
 
 def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_per_s: float) -> FreestPeers:
     """Read the workers' heartbeats (`peers`, the live ones) once, for every claim until the next: for each
-    stage, the two that free their engines of their prompts first (running_tokens at their measured rate,
-    or `prior_tokens_per_s` before any), among those that would claim one more (`elastic.has_room`: the
-    count, the prompt-token budget `prompt_budget`, the KV watermark)."""
+    stage, the two that free their engines of their prompts first (the tokens they had left at their beat,
+    at their measured rate, or `prior_tokens_per_s` before any, from their beat), among those that would
+    claim one more (`elastic.has_room`: the count, the prompt-token budget `prompt_budget`, the KV
+    watermark)."""
     best: dict[str, list[tuple[float, str]]] = {}
     for p in peers:
         if not has_room(p, prompt_budget):
             continue
-        seconds = p.running_tokens / rate_or_prior(p.tokens_per_s, prior_tokens_per_s)
+        free_at = p.last_seen + p.left_tokens / rate_or_prior(p.tokens_per_s, prior_tokens_per_s)
         for stage in STAGES_OF_ROLE.get(p.role, ()):
             two = best.setdefault(stage, [])
-            two.append((seconds, p.worker_id))
+            two.append((free_at, p.worker_id))
             two.sort()
             del two[2:]
     return FreestPeers({stage: tuple(two) for stage, two in best.items()})

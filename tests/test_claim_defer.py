@@ -6,7 +6,6 @@ its prompts frees the step budget."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -73,9 +72,11 @@ def test_tokens_left_estimates_prompts_one_after_another_from_their_claims():
 # -- the peers, as their heartbeats said ---------------------------------------------------------------------
 
 
-def _peer(wid: str, role: str, tokens: int, rate: float = 1000.0, running: int = 1, kv: float = 0.0):
+def _peer(wid: str, role: str, tokens: int, rate: float = 1000.0, running: int = 1, kv: float = 0.0,
+          left: int | None = None, seen: float = 0.0):
     return SimpleNamespace(worker_id=wid, role=role, running=running, max_running=8, kv_usage=kv,
-                           kv_watermark=0.9 if role != "prefill" else 0.0, running_tokens=tokens, tokens_per_s=rate)
+                           kv_watermark=0.9 if role != "prefill" else 0.0, running_tokens=tokens, tokens_per_s=rate,
+                           left_tokens=tokens if left is None else left, last_seen=seen)
 
 
 def test_the_freest_peer_of_the_stage_with_room_and_never_oneself():
@@ -83,11 +84,24 @@ def test_the_freest_peer_of_the_stage_with_room_and_never_oneself():
              _peer("d0", "decode", 0), _peer("full", "elastic", 0, running=8), _peer("kv", "elastic", 0, kv=0.95),
              _peer("new", "decode", 300, rate=0.0)]
     freest = freest_peers(peers, prompt_budget=2048, prior_tokens_per_s=1000.0)
-    assert freest.free_s("x", "prefill") == pytest.approx(0.1)  # p0 (the full and the KV-bound ones claim nothing)
-    assert freest.free_s("p0", "prefill") == pytest.approx(0.5)  # e1: 2,000 tokens at 4,000/s
-    assert freest.free_s("x", "decode") == 0.0 and freest.free_s("d0", "decode") == pytest.approx(0.3)  # prior rate
-    assert freest_peers([_peer("e0", "elastic", 3000)], 2048, 1000.0).free_s("x", "decode") is None  # over budget
-    assert NO_PEERS.free_s("x", "prefill") is None
+    assert freest.free_s("x", "prefill", 0.0) == pytest.approx(0.1)  # p0 (the full and the KV-bound claim nothing)
+    assert freest.free_s("p0", "prefill", 0.0) == pytest.approx(0.5)  # e1: 2,000 tokens at 4,000/s
+    assert freest.free_s("x", "decode", 0.0) == 0.0
+    assert freest.free_s("d0", "decode", 0.0) == pytest.approx(0.3)  # prior rate
+    assert freest_peers([_peer("e0", "elastic", 3000)], 2048, 1000.0).free_s("x", "decode", 0.0) is None  # over budget
+    assert NO_PEERS.free_s("x", "prefill", 0.0) is None
+
+
+def test_a_peers_time_to_free_is_what_it_had_left_counted_from_its_beat():
+    """A peer holding a 2,000-token prompt of which 300 tokens were left when it beat at t=10.0 is free at
+    10.3: read at 10.1 it frees in 0.2 s, read at 10.5 it should be free already. Its whole prompt, or a
+    time counted from the read, would make a peer that has since freed look busy to a worker that then
+    takes queued prompts while it idles."""
+    freest = freest_peers([_peer("e0", "elastic", 2000, left=300, seen=10.0),
+                           _peer("e1", "elastic", 500, left=400, seen=10.05)], 4096, 1000.0)
+    assert freest.free_s("x", "decode", 10.1) == pytest.approx(0.2)  # e0: free at 10.3, e1 at 10.45
+    assert freest.free_s("e0", "decode", 10.1) == pytest.approx(0.35)
+    assert freest.free_s("x", "decode", 10.5) == 0.0
 
 
 # -- the live worker ---------------------------------------------------------------------------------------
@@ -111,7 +125,7 @@ def _runtime(monkeypatch, role: str = "prefill", engine: _Engine | None = None) 
     cfg = replace(cfg, worker=replace(cfg.worker, role=role, worker_id="me"),
                   observability=replace(cfg.observability, timeline=False, log_events=False))
     clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: clock.now, time=time.time))
+    monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: clock.now, time=lambda: clock.now))
     rt = WorkerRuntime(cfg, engine or _Engine(), "m")
     rt.clock = clock  # type: ignore[attr-defined]
     return rt
@@ -124,9 +138,9 @@ def _hold(rt: WorkerRuntime, rid: str, tokens: int, tier: str = "standard") -> H
     return held
 
 
-def _info(wid: str, role: str, tokens: int, rate: float = 1000.0) -> WorkerInfo:
+def _info(wid: str, role: str, tokens: int, rate: float = 1000.0, seen: float = 100.0) -> WorkerInfo:
     return WorkerInfo(worker_id=wid, role=role, engine="sim", model="m", host="h", pid=1, running=1, waiting=0,
-                      kv_usage=0.0, started=0.0, last_seen=0.0, running_tokens=tokens, tokens_per_s=rate,
+                      kv_usage=0.0, started=0.0, last_seen=seen, running_tokens=tokens, tokens_per_s=rate, left_tokens=tokens,
                       max_running=32)
 
 
@@ -144,7 +158,9 @@ def test_the_live_worker_waits_only_for_a_freer_peer_and_counts_its_tokens_left(
     rt.see_peers([_info("me", "prefill", 1000), _info("p1", "prefill", 900)])
     assert rt._claim_defer(HEAD) == pytest.approx(0.1)  # 1 s against 0.9 s
     rt.clock.now = 100.05  # type: ignore[attr-defined]
-    assert rt._claim_defer(HEAD) == pytest.approx(0.05)  # 950 tokens left by its claim's time
+    assert rt._claim_defer(HEAD) == pytest.approx(0.1)  # both 50 ms on: 950 tokens left here, the peer's 0.85 s
+    rt.see_peers([_info("me", "prefill", 1000), _info("p1", "prefill", 900, seen=100.05)])
+    assert rt._claim_defer(HEAD) == pytest.approx(0.05)  # 950 left here against a fresh beat's 900
     rt.see_peers([_info("me", "prefill", 1000), _info("e1", "elastic", 0), _info("d1", "decode", 0)])
     assert rt._claim_defer(HEAD) == CLAIM_DEFER_MAX_S  # an idle peer of the stage (the decode worker is not one)
     assert rt._claim_defer(replace(HEAD, tier="interactive")) == 0.0  # stricter: it may preempt

@@ -21,7 +21,6 @@ each room limit, held steps, demotions, ...).
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -165,7 +164,7 @@ class LiveTwin:
 
 def _live(cfg: SkylineConfig, sim: Simulation, q, monkeypatch, kv_usage=lambda: 0.0) -> LiveTwin:
     monkeypatch.setattr(live_runtime, "now_ms", lambda: int(sim.loop.now * 1000))
-    monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: sim.loop.now, time=time.time))
+    monkeypatch.setattr(live_runtime, "time", SimpleNamespace(monotonic=lambda: sim.loop.now, time=lambda: sim.loop.now))
     twin = LiveTwin(WorkerRuntime(cfg, _Engine(kv_usage), "m"), sim, q)
     real_refresh = sim._refresh
 
@@ -179,13 +178,23 @@ def _live(cfg: SkylineConfig, sim: Simulation, q, monkeypatch, kv_usage=lambda: 
 
 def _peer_of(sim: Simulation, role: str, loads: list[tuple[float, int]]) -> None:
     """A peer of the twin's stage in the heartbeats both read (no simulated worker behind it: it claims
-    nothing), whose engine computes `tokens` prompt tokens from each `(time, tokens)` on: the claim
-    defer weighs the twin's tokens left against it."""
-    beat = SimpleNamespace(worker_id=f"{role}-peer", role=role, running=0, max_running=sim.worker_cfg.max_running,
-                           kv_usage=0.0, kv_watermark=0.0, running_tokens=0, tokens_per_s=0.0)
+    nothing), whose engine has `tokens` prompt tokens left at every beat from each `(time, tokens)` on (it
+    keeps being given prompts): the claim defer weighs the twin's tokens left against it."""
+
+    class Beat(SimpleNamespace):
+        @property
+        def last_seen(self) -> float:
+            return sim.loop.now  # it beats whenever it is read
+
+    beat = Beat(worker_id=f"{role}-peer", role=role, running=0, max_running=sim.worker_cfg.max_running,
+                kv_usage=0.0, kv_watermark=0.0, running_tokens=0, tokens_per_s=0.0, left_tokens=0)
     sim.peers.append(beat)
+
+    def load(_arg, n: int) -> None:
+        beat.running_tokens = beat.left_tokens = n
+
     for at, tokens in loads:
-        sim.loop.at(at, lambda _arg, n=tokens: setattr(beat, "running_tokens", n))
+        sim.loop.at(at, lambda arg, n=tokens: load(arg, n))
 
 
 def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> None:
@@ -236,7 +245,7 @@ def _watch_claims(module, worker, twin: LiveTwin, log: list, monkeypatch) -> Non
         log.append(("defer", live))
         rt = twin.rt
         computing = rt.held.computing_prompts()
-        if (not live and computing and head.prefill_tokens and rt.freest.free_s(rt.worker_id, q.stage) is not None
+        if (not live and computing and head.prefill_tokens and rt.freest.free_s(rt.worker_id, q.stage, w.sim.loop.now) is not None
                 and rt.tier_rank[req.tier] >= min(rt.tier_rank[h.request.tier] for h in computing)):
             log.append(("no_freer_peer", _rid(req)))  # computing, a peer of the stage, yet no wait: it frees later
         return got

@@ -220,17 +220,20 @@ class WorkerRuntime:
         (`HeldTable.freed`, passed to the claim)."""
         if not head.prefill_tokens or self.cfg.worker.claim_defer_max_s <= 0:
             return 0.0
-        computing = self.held.computing_prompts()
-        if not computing:
+        if not self.held.computing_prompts():
             return 0.0
-        peer_free_s = self.freest.free_s(self.worker_id, head.stage or self.stages[0])
+        peer_free_s = self.freest.free_s(self.worker_id, head.stage or self.stages[0], time.time())
         if peer_free_s is None:
             return 0.0  # no peer would take it sooner (the rate is not asked for when there is nothing to decide)
         rate = self.tokens_per_s()
-        left = tokens_left([(h.prompt_tokens, h.claimed_s, self.engine.computed_tokens(h.request_id))
-                            for h in computing], rate, time.monotonic())
-        return claim_defer_s(head.prefill_tokens, self.tier_rank.get(head.tier, 99), left, self.computing_ranks(),
-                             rate, peer_free_s, self.cfg.worker.claim_defer_max_s)
+        return claim_defer_s(head.prefill_tokens, self.tier_rank.get(head.tier, 99), self._left_tokens(rate),
+                             self.computing_ranks(), rate, peer_free_s, self.cfg.worker.claim_defer_max_s)
+
+    def _left_tokens(self, rate: float) -> int:
+        """Prompt tokens its engine has yet to compute, at `rate` where the engine does not tell
+        (scheduler/claiming.py `tokens_left`): what its claim defer weighs, and its heartbeat tells its peers'."""
+        return tokens_left([(h.prompt_tokens, h.claimed_s, self.engine.computed_tokens(h.request_id))
+                            for h in self.held.computing_prompts()], rate, time.monotonic())
 
     def see_peers(self, peers: list[WorkerInfo]) -> None:
         """The live workers as their heartbeats say (read once per beat): what elastic placement and the
@@ -544,6 +547,7 @@ class WorkerRuntime:
         s = self.engine.stats()
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.held), s.waiting, s.kv_usage
         self.info.running_tokens = self.rules.running_tokens(self.held)
+        self.info.left_tokens = self._left_tokens(self.tokens_per_s()) if self.held.computing_prompts() else 0
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0

@@ -131,6 +131,7 @@ class _Seq:
     text: bytes = b""
     start: int = 0
     activated: bool = False  # its adapter holds one of the engine's slots (it has run a step)
+    scheduled: bool = False  # a step has computed (some of) its prompt: vLLM counts it running from then on
 
 
 _ABORTED = object()
@@ -251,7 +252,9 @@ class SimEngine(Engine):
             seq.out.put_nowait(_ABORTED)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._running), waiting=len(self._waiting), kv_usage=0.0)
+        # As vLLM counts them: a prompt is waiting until a step takes it, running from then on (chunked or not).
+        started = sum(1 for seq in self._waiting if seq.scheduled)
+        return EngineStats(running=len(self._running) + started, waiting=len(self._waiting) - started, kv_usage=0.0)
 
     def progress(self) -> tuple[int, int] | None:
         return len(self._by_id), self._steps
@@ -310,6 +313,7 @@ class SimEngine(Engine):
                         continue  # its adapter would be one too many in this step: it waits for a slot
                     take = min(budget, len(seq.req.prompt_token_ids) - seq.prefilled)
                     chunks.append((seq, take))
+                    seq.scheduled = True
                     budget -= take
                     if budget <= 0:
                         break

@@ -63,6 +63,7 @@ from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.elastic_worker import BothStages, ElasticWorker
 from skyline.tools.simulate.events import EventLoop
 from skyline.tools.simulate.perf import PerfModel
+from skyline.tools.simulate.preempt import left_tokens, measured_rate
 from skyline.tools.simulate.prefill_worker import PrefillWorker
 from skyline.tools.simulate.prefix_cache import HolderIndex, PrefixCache
 from skyline.tools.simulate.queues import StageQueues
@@ -189,7 +190,7 @@ class Simulation:
         # scheduler.claiming.freest_peers); and where a full worker looks for a head to preempt for.
         self.peers = [SimpleNamespace(worker_id=w.name, role=role, running=0, max_running=cfg.worker.max_running,
                                       kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark if role != "prefill" else 0.0,
-                                      running_tokens=0, tokens_per_s=0.0)
+                                      running_tokens=0, tokens_per_s=0.0, left_tokens=0, last_seen=0.0)
                       for role, pool in (("prefill", self.prefill_workers), (decode_role, self.decode_workers))
                       for w in pool]
         self._decode_peers = self.peers[len(self.prefill_workers):]
@@ -424,11 +425,15 @@ class Simulation:
             self._loads = {role: StageLoads(beats, role) for role, beats in self._beats.items()}
         for w, peer in zip(self.prefill_workers, self.peers):  # each heartbeat as the live `_beat` fills it
             peer.running, peer.running_tokens, peer.tokens_per_s = len(w.held), w.tokens_held, w.rate_cache[1]
+            peer.left_tokens = left_tokens(w, w.held, measured_rate(w)) if w.held else 0
+            peer.last_seen = self.loop.now
         for w, peer in zip(self.decode_workers, self._decode_peers):
             peer.running = w.B + w.arriving + len(w.local) + len(w.joining)
             peer.kv_usage = (w.C + w.reserved) / w.kv_capacity
             peer.running_tokens = w.local_tokens
             peer.tokens_per_s = w.rate_cache[1]
+            peer.left_tokens = left_tokens(w, w.local, measured_rate(w)) if w.local else 0
+            peer.last_seen = self.loop.now
         if self.defers:  # what each worker's claim defer reads until the next beat (live: `see_peers`)
             wc = self.worker_cfg
             self.freest = freest_peers(self.peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)

@@ -116,11 +116,17 @@ def claim_defer(worker: PrefillWorker | DecodeWorker, q: StageQueues, item: tupl
     if not held or item[1] is not None:
         return 0.0  # nothing computing, or KV to pull (no prompt to compute): the rate is not asked, as live
     sim = worker.sim
-    peer_free_s = sim.freest.free_s(worker.name, q.stage)
+    peer_free_s = sim.freest.free_s(worker.name, q.stage, sim.loop.now)
     if peer_free_s is None:
         return 0.0  # no peer would take it sooner
     req: SimRequest = item[0]
     rate = measured_rate(worker)
-    left = tokens_left([(h.req.prompt_tokens, h.claimed_at, None) for h in held], rate, sim.loop.now)
-    return claim_defer_s(req.backlog_tokens, req.rank, left, [h.req.rank for h in held], rate, peer_free_s,
-                         sim.worker_cfg.claim_defer_max_s)
+    return claim_defer_s(req.backlog_tokens, req.rank, left_tokens(worker, held, rate), [h.req.rank for h in held],
+                         rate, peer_free_s, sim.worker_cfg.claim_defer_max_s)
+
+
+def left_tokens(worker: PrefillWorker | DecodeWorker, held: list, rate: float) -> int:
+    """Prompt tokens the worker's engine has yet to compute of the prompts of handles `held`, at `rate`
+    (`scheduler.claiming.tokens_left`; the simulated engine does not report progress): what its claim defer
+    weighs and its heartbeat tells its peers', as the live `WorkerRuntime._left_tokens`."""
+    return tokens_left([(h.req.prompt_tokens, h.claimed_at, None) for h in held], rate, worker.sim.loop.now)
