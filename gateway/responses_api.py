@@ -90,6 +90,12 @@ class ResponsesApi:
 
     async def create(self, req: Any, raw: Request) -> Any:
         tenant = tenant_of(raw) or ANONYMOUS
+        if (req.model_extra or {}).get("conversation") is not None:
+            # vLLM's request model lets unknown fields through: without this, the turn would be answered
+            # without the conversation's items and never added to it.
+            raise ApiError(400, "`conversation` is not supported: there is no Conversations API here; continue "
+                                "with `previous_response_id`, or send the whole conversation in `input`",
+                           param="conversation")
         if not self.enabled:
             return await self._without_store(req, raw)
         if req.background and not req.store:

@@ -110,6 +110,8 @@ def test_store_false_keeps_nothing_and_an_unknown_previous_id_is_404(gateways, r
     with pytest.raises(openai.NotFoundError, match="resp_nope"):
         client.responses.create(model=MODEL, input="q", previous_response_id="resp_nope")
     assert not redis.Redis.from_url(redis_url).exists(Keys(key_prefix).response(resp.id))
+    with pytest.raises(openai.BadRequestError, match="conversation"):  # no Conversations API: refused, not ignored
+        client.responses.create(model=MODEL, input="q", extra_body={"conversation": "conv_1"})
 
 
 def test_a_streamed_response_is_stored_before_its_last_event(gateways):
