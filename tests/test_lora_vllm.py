@@ -11,18 +11,14 @@ adapter loaded at run time through the gateway, after an unload and a reload.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from skyline.core.net import free_port
 from tests.fleet import Fleet
+from tests.vllm_reference import reference_server, wait_up
 
 pytestmark = pytest.mark.vllm
 
@@ -51,47 +47,6 @@ def make_adapter(model_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-@contextlib.contextmanager
-def reference_server(adapter: str, log_path):
-    """A plain vLLM OpenAI server serving `adapter` as `sql` (`vllm serve` under this distribution's name)."""
-    from skyline.tools.model import resolve_model
-    from skyline.workers.engines import engine_processes
-
-    port = free_port()
-    log = open(log_path, "wb")
-    cores = sorted(os.sched_getaffinity(0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
-         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-         "--host", "127.0.0.1", "--port", str(port), *LORA_FLAGS, "--lora-modules", f"sql={adapter}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
-                 **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
-    try:
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_up(proc, url: str, log_path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"reference vLLM server exited:\n{log_path.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("reference vLLM server did not start")
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
     from skyline.tools.model import resolve_model
@@ -108,9 +63,10 @@ def both(redis_url, tmp_path_factory, adapter):
     static = (*LORA_FLAGS, "--lora-modules", f"sql={adapter}")
     workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0]), *static),
                "decode-0": ("decode", "--cpu-bind", str(cores[-1]), *static)}
-    with reference_server(adapter, logs / "reference.log") as (proc, url):
+    with reference_server(MODEL, (*LORA_FLAGS, "--lora-modules", f"sql={adapter}"), logs / "reference.log") as (
+            proc, url):
         with f.running(workers, timeout_s=600):
-            _wait_up(proc, url, logs / "reference.log")
+            wait_up(proc, url, logs / "reference.log")
             yield url, f
 
 

@@ -16,16 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from skyline.core.net import free_port
 from tests.fleet import Fleet
+from tests.vllm_reference import reference_server, wait_up
 
 pytestmark = pytest.mark.vllm
 
@@ -45,42 +42,11 @@ TIME = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A plain vLLM OpenAI server, as a user runs it (`vllm serve` is `python -m vllm.entrypoints.openai.api_server`
-    under this distribution's name)."""
-    from skyline.tools.model import resolve_model
-    from skyline.workers.engines import engine_processes
-
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("reference") / "vllm.log", "wb")
-    cores = sorted(os.sched_getaffinity(0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
-         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-         "--host", "127.0.0.1", "--port", str(port), *TOOL_FLAGS],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
-                 **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"reference vLLM server exited: {log.name}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("reference vLLM server did not start")
-            time.sleep(1)
+    """A plain vLLM OpenAI server with the same tool flags, as a user runs it."""
+    log_path = tmp_path_factory.mktemp("reference") / "vllm.log"
+    with reference_server(MODEL, TOOL_FLAGS, log_path) as (proc, url):
+        wait_up(proc, url, log_path)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""A plain vLLM OpenAI server, as a user runs it (`vllm serve` is `python -m vllm.entrypoints.openai.api_server`
+under this distribution's name): the reference the parity tests compare Skyline's answers with."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from skyline.core.net import free_port
+
+
+@contextlib.contextmanager
+def reference_server(model: str, extra_args: tuple[str, ...], log_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(process, URL) of a vLLM server of the default model served as `model`, with `extra_args`, on the first
+    core, logging to `log_path`; started, not waited for (`wait_up`), so a fleet can load beside it."""
+    from skyline.tools.model import resolve_model
+    from skyline.workers.engines import engine_processes
+
+    port = free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model("default"),
+             "--served-model-name", model, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+             "--host", "127.0.0.1", "--port", str(port), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
+                     **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_up(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = 600) -> None:
+    """Until the server at `url` lists its models; its log's tail in the error if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reference vLLM server exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("reference vLLM server did not start")
+        time.sleep(1)
