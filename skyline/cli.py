@@ -18,7 +18,7 @@ import logging
 import sys
 
 from skyline.core import envs
-from skyline.core.config import SkylineConfig, load_config
+from skyline.core.config import EngineConfig, SkylineConfig, load_config
 
 
 
@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("role", choices=["prefill", "decode", "elastic"],
                     help="the stages it consumes: prefill, decode, or both (elastic: either phase, per request)")
     _common(wk, model_flags=False)
+    wk.add_argument("--config-model", metavar="NAME",
+                    help="serve the config's [[models]] table whose served name is NAME (its engine arguments "
+                         "in place of [engine.vllm]'s), as `skyline up` starts that model's workers")
     wk.add_argument("--worker-id", help="default <role>-<host>-<pid>")
     wk.add_argument("--max-running", type=int, help="requests held at once")
     wk.add_argument("--cpu-bind", help="VLLM_CPU_OMP_THREADS_BIND for the engine, e.g. 0 or 0-1")
@@ -258,6 +261,8 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     elif not cfg.default_model and g("command") != "up":  # `up`'s: the model it starts (main)
         cfg = replace(cfg, default_model=_default_model(g("config") or envs.CONFIG.get() or None, overrides))
 
+    if g("config_model"):
+        cfg = replace(cfg, engine=config_model(cfg, g("config_model")))
     if g("key_prefix"):
         cfg = replace(cfg, key_prefix=g("key_prefix"))
     if g("engine_argv") or any(g(f"{role}_engine_args") for role in ("prefill", "decode", "elastic")):
@@ -268,6 +273,45 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         cfg = replace(cfg, engine=replace(cfg.engine, vllm=replace(
             cfg.engine.vllm, argv=tuple(g("engine_argv") or ()), role_argv=role_argv)))
     return cfg
+
+
+def config_model(cfg: SkylineConfig, name: str) -> EngineConfig:
+    """The engine config of the config's [[models]] table served as `name` (exit 2 naming the served
+    names there are when none is)."""
+    from skyline.tools.model import served_name
+
+    engines = {served_name(e): e for e in (m.engine(cfg.engine) for m in cfg.models)}
+    if name not in engines:
+        print(f"skyline: error: --config-model {name}: the config has no [[models]] table served as {name!r} "
+              f"(it has: {', '.join(map(repr, engines)) or 'none'})", file=sys.stderr)
+        sys.exit(2)
+    return engines[name]
+
+
+def check_models(cfg: SkylineConfig) -> None:
+    """Before `skyline up` starts anything: each [[models]] table serves a name of its own (not the
+    default model's, not another table's), and its engine arguments pass vLLM's parser and Skyline's
+    refusals for each role it has workers of (exit 2 with the reason)."""
+    from skyline.core.engine_args import EngineArgsError, resolve
+    from skyline.tools.model import served_name
+
+    names = {cfg.default_model: "the default model ([engine])"}
+    for n, m in enumerate(cfg.models, 1):
+        engine, where = m.engine(cfg.engine), f"[[models]] #{n}"
+        name = served_name(engine)
+        if name in names:
+            print(f"skyline up: error: {where} is served as {name!r}, as {names[name]} is: give it a served-model-name "
+                  "of its own in [models.vllm] (a gateway serves each model under one name)", file=sys.stderr)
+            sys.exit(2)
+        names[name] = where
+        roles = [r for r in ("prefill", "decode", "elastic")
+                 if getattr(m, r) and not (r == "prefill" and cfg.gateway.mode == "colocated")]
+        try:
+            for role in roles if engine.vllm else ():
+                resolve(engine, role)
+        except EngineArgsError as exc:
+            print(f"skyline up: error: {where} ({name}): {exc}".replace("[engine.vllm", "[models.vllm"), file=sys.stderr)
+            sys.exit(2)
 
 
 def _default_model(path: str | None, overrides: dict) -> str:
@@ -384,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
             from skyline.tools.model import served_name
 
             cfg = replace(cfg, default_model=served_name(cfg.engine))
+        check_models(cfg)
         sys.exit(up(cfg, args))
     elif args.command == "gateway":
         from skyline.gateway.server import serve

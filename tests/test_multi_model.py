@@ -183,3 +183,70 @@ def test_the_command_line_names_the_default_model_before_its_model_flags():
     assert cfg_of("gateway", "--engine", "sim", "--served-model-name", B).default_model == A
     assert cfg_of("gateway", "--served-model-name", B).default_model == "SmolLM2-135M-Instruct"
     assert cfg_of("gateway", "--engine", "sim", "--default-model", B).default_model == B
+
+
+UP_CONFIG = f"""
+# The default model: [engine] (the sim engine's skyline-sim); one more, with its own engine arguments:
+[[models]]
+elastic = 1
+[models.vllm]
+served-model-name = "{B}"
+max-model-len = 512
+"""
+
+
+def test_skyline_up_starts_every_model_of_the_config_behind_one_gateway(redis_url, key_prefix, tmp_path):
+    from skyline.core.net import free_port
+    from tests.test_skyline_up import Terminal
+
+    (tmp_path / "fleet.toml").write_text(UP_CONFIG)
+    port = free_port()
+    term = Terminal(["--config", str(tmp_path / "fleet.toml"), "--elastic", "1", "--redis-url", redis_url,
+                     "--key-prefix", key_prefix, "--port", str(port), "--metrics-port-base", "0"], tmp_path)
+    try:
+        term.wait_for("Skyline is up", timeout_s=120)
+        out = "".join(term.lines)
+        assert f"{B}-elastic-0 | ready" in out and "elastic-0 | ready" in out
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {A, B} and cards[B].model_extra["max_model_len"] == 512
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "skyline.cli", "status", "--once", "--json", "--redis-url", redis_url,
+             "--key-prefix", key_prefix], capture_output=True, text=True, timeout=60, check=True).stdout)
+        model_of = {w["worker_id"]: w["model"] for w in status["workers"]}
+        assert sorted(model_of.values()) == sorted([A, B])  # one elastic worker each
+        for model in (A, B, A, B):
+            resp = _chat(client, model)
+            assert resp.model == model and resp.choices[0].message.content
+            assert model_of[resp.model_extra["skyline"]["decode_worker"]] == model
+    finally:
+        assert term.ctrl_c() == 0
+
+
+def test_a_models_table_is_checked_at_load_and_its_served_name_by_skyline_up(tmp_path):
+    from skyline.cli import check_models
+    from skyline.core.config import ConfigError, load_config
+
+    def load(text: str):
+        (tmp_path / "c.toml").write_text(text)
+        return load_config(tmp_path / "c.toml", {"engine": {"kind": "sim"}})
+
+    for text, why in (("[[models]]\n[models.vllm]\nserved-model-name = 'x'\n", "no workers"),
+                      ("[[models]]\ndecode = 1\n", "name its model"),
+                      ("[[models]]\ndecode = 1\nworkers = 2\n[models.vllm]\nmodel = 'x'\n", "unknown option(s) workers"),
+                      ("[[models]]\ndecode = -1\n[models.vllm]\nmodel = 'x'\n", "at least 0"),
+                      ("[[models]]\ndecode = 1\n[models.vllm]\nmodel = 'x'\n[models.vllm.decode]\nmax-model-len = 9\n",
+                       "[models.vllm.decode] max-model-len: must be the same for every engine")):
+        with pytest.raises(ConfigError) as err:
+            load(text)
+        assert why in str(err.value), (text, err.value)
+    # The table's engine arguments are its own: [engine.vllm]'s (the default model's) are not inherited.
+    cfg = load("[engine.vllm]\nmax-model-len = 1024\n[[models]]\ndecode = 1\n[models.vllm]\nserved-model-name = 'b'\n")
+    assert cfg.engine.max_model_len == 1024 and cfg.models[0].engine(cfg.engine).max_model_len == 2048
+    # A table served under the default model's name is refused before anything starts.
+    from dataclasses import replace
+
+    cfg = replace(load(f"[[models]]\nelastic = 1\n[models.vllm]\nserved-model-name = '{A}'\n"), default_model=A)
+    with pytest.raises(SystemExit) as exit_:
+        check_models(cfg)
+    assert exit_.value.code == 2

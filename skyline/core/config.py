@@ -361,6 +361,56 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """One more model of the fleet, beside [engine]'s: a `[[models]]` table. `skyline up` starts its
+    workers (these counts, per role) and the one gateway serves it on queues of its own.
+
+    Its vLLM engine arguments are its own, under vLLM's names, as a `vllm serve` of that model takes
+    them: `[models.vllm]` for each of its engines and `[models.vllm.prefill|decode|elastic]` per role
+    (the shape of [engine.vllm]; [engine.vllm] is the default model's and is not inherited). Skyline's
+    own [engine] options (engine kind, KV cache size, KV transfer, the sim engine's timings) are the
+    fleet's, shared by every model's engines."""
+
+    vllm: VllmArgs = field(default_factory=VllmArgs)
+    prefill: int = 0
+    decode: int = 0
+    elastic: int = 0
+
+    def engine(self, fleet: EngineConfig) -> EngineConfig:
+        """The engine config of this model's workers: the fleet's [engine] options with this model's
+        engine arguments in place of [engine.vllm]'s (those Skyline reads itself from Skyline's defaults)."""
+        defaults = EngineConfig()
+        own = {key: getattr(defaults, key) for key in engine_args.RENAMED}
+        return replace(fleet, vllm=self.vllm, **{**own, **engine_args.from_table(self.vllm.table)})
+
+
+def _model_entry(n: int, values: Any) -> ModelConfig:
+    where = f"[[models]] #{n}"
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: must be a table (`[[models]]` with prefill/decode/elastic and [models.vllm])")
+    values = dict(values)
+    raw = values.pop("vllm", {})
+    counts = {role: values.pop(role, 0) for role in ("prefill", "decode", "elastic")}
+    if values:
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(sorted(values))} (a model takes prefill, decode, "
+                          "elastic and its vLLM engine arguments in [models.vllm])")
+    for role, count in counts.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ConfigError(f"{where}: {role} = {count!r} must be a whole number of workers, at least 0")
+    if not sum(counts.values()):
+        raise ConfigError(f"{where}: no workers: give it prefill, decode or elastic workers")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: vllm must be a table of vLLM engine arguments ([models.vllm])")
+    try:
+        args = engine_args.split_table(raw)
+    except engine_args.EngineArgsError as exc:
+        raise ConfigError(f"{where}: {str(exc).replace('[engine.vllm', '[models.vllm')}") from None
+    if "model" not in args.table and "served_model_name" not in args.table:
+        raise ConfigError(f"{where}: name its model: model (and served-model-name) in [models.vllm]")
+    return ModelConfig(vllm=args, **counts)
+
+
+@dataclass(frozen=True)
 class SkylineConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -377,6 +427,9 @@ class SkylineConfig:
     # (skyline/core/keys.py), and the gateways serve it beside the default. "" = the model this config
     # names before command-line flags ([engine.vllm] model / served-model-name; the built-in default).
     default_model: str = ""
+    # More models `skyline up` starts beside [engine]'s, each with its own engine arguments and worker
+    # counts ([[models]] tables: ModelConfig); the gateway serves them all.
+    models: tuple[ModelConfig, ...] = ()
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -425,6 +478,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
             changes[name] = _make(cls, getattr(cfg, name), data[name], name)
     if "tiers" in data:
         changes["tiers"] = tuple(_tier(n, v) for n, v in data["tiers"].items())
+    if "models" in data:
+        if not isinstance(data["models"], list):
+            raise ConfigError("models must be an array of tables: [[models]]")
+        changes["models"] = tuple(_model_entry(n, v) for n, v in enumerate(data["models"], 1))
     for key in ("default_tier", "key_prefix", "default_model"):
         if key in data:
             changes[key] = data[key]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from skyline.core import envs
-from skyline.core.config import SkylineConfig
+from skyline.core.config import EngineConfig, SkylineConfig
 from skyline.core.envs import skyline_home
 from skyline.core.lifetime import parent_death_signal
 from skyline.core.net import free_port, port_holder, port_taken
@@ -65,38 +66,69 @@ def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class ModelWorkers:
+    """One model `up` starts and its workers per role: [engine]'s (the default model: --prefill, --decode,
+    --elastic) or a [[models]] table's (`config_model`: its served name, which its workers are started with)."""
+
+    engine: EngineConfig
+    prefill: int
+    decode: int
+    elastic: int
+    config_model: str = ""
+
+    @property
+    def tag(self) -> str:
+        """Its workers' names begin with it (a [[models]] table's served name, as a file name may hold it)."""
+        return re.sub(r"[^A-Za-z0-9._-]", "_", self.config_model) + "-" if self.config_model else ""
+
+
+def fleet_models(cfg: SkylineConfig, n_prefill: int, n_decode: int, n_elastic: int = 0) -> list[ModelWorkers]:
+    """The default model with these counts, then each [[models]] table of the config."""
+    from skyline.tools.model import served_name
+
+    out = [ModelWorkers(cfg.engine, n_prefill, n_decode, n_elastic)]
+    for m in cfg.models:
+        engine = m.engine(cfg.engine)
+        out.append(ModelWorkers(engine, m.prefill, m.decode, m.elastic, served_name(engine)))
+    return out
+
+
 def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
                  metrics_port_base: int = METRICS_PORT_BASE, n_elastic: int = 0) -> list[tuple[str, list[str]]]:
-    """(name, extra CLI args) per worker. Real engines are pinned to cores (`core_binds`: elastic
-    engines as decode engines, they run streams); each worker gets its own metrics port
-    (`metrics_port_base` + i; 0 = free ports)."""
-    if cfg.gateway.mode == "colocated":
-        n_prefill = 0
+    """(name, extra CLI args) per worker of every model (`fleet_models`). Real engines are pinned to cores
+    (`core_binds`: every model's prefill engines first; elastic engines as decode engines, they run streams);
+    each worker gets its own metrics port (`metrics_port_base` + i; 0 = free ports)."""
+    models = fleet_models(cfg, n_prefill, n_decode, n_elastic)
+    roles = ("decode", "elastic") if cfg.gateway.mode == "colocated" else ("prefill", "decode", "elastic")
+    workers = [(m, role) for role in roles for m in models for _ in range(getattr(m, role))]  # prefill engines first
+    n_prefill = sum(1 for _m, role in workers if role == "prefill")
+    ranks = [engine_ranks(m.engine, role) for m, role in workers] if cfg.engine.kind == "vllm" else None
+    binds = core_binds(n_prefill, len(workers) - n_prefill, _cores(), ranks)
     plan = []
-    roles = ["prefill"] * n_prefill + ["decode"] * n_decode + ["elastic"] * n_elastic
-    ranks = [engine_ranks(cfg, role) for role in roles] if cfg.engine.kind == "vllm" else None
-    binds = core_binds(n_prefill, n_decode + n_elastic, _cores(), ranks)
-    for i, role in enumerate(roles):
+    for i, (m, role) in enumerate(workers):
         args = [role]
+        if m.config_model:
+            args += ["--config-model", m.config_model]
         if cfg.engine.kind == "vllm":
             args += ["--cpu-bind", binds[i]]
             # A colocated fleet never moves KV: no NIXL connector at all.
             args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
         if metrics_port_base:
             args += ["--metrics-port", str(metrics_port_base + i)]
-        name = f"{role}-{sum(1 for r in roles[:i] if r == role)}"
+        name = f"{m.tag}{role}-{sum(1 for other, r in workers[:i] if r == role and other is m)}"
         plan.append((name, args))
     return plan
 
 
-def engine_ranks(cfg: SkylineConfig, role: str) -> int:
+def engine_ranks(ec: EngineConfig, role: str) -> int:
     """Processes of one engine of `role`: vLLM's CPU backend runs one per tensor- and pipeline-parallel
     rank, each bound to a core set of its own (VLLM_CPU_OMP_THREADS_BIND: one set per rank, `|` between)."""
-    if not cfg.engine.vllm:
+    if not ec.vllm:
         return 1
     from skyline.core.engine_args import resolve
 
-    given = resolve(cfg.engine, role)[1]
+    given = resolve(ec, role)[1]
     return int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1))
 
 
@@ -391,7 +423,10 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         spawn("gateway", "gateway", gw)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, args.elastic)
         for name, extra in plan:
-            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:], *engine_argv(cfg, extra[0])])
+            # The command line's engine arguments are the default model's; a [[models]] table's workers read
+            # theirs from the config (--config-model).
+            own = engine_argv(cfg, extra[0]) if "--config-model" not in extra else []
+            spawn(name, extra[0], ["worker", extra[0], *common, *extra[1:], *own])
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         # One batch runner (an RQ worker) runs batch jobs through this gateway (docs/batch.md).
         runner = f"batch-runner-{socket.gethostname()}-{os.getpid()}"
@@ -507,10 +542,12 @@ def _banner(cfg: SkylineConfig, url: str, took_s: float, plan: list[tuple[str, l
     from skyline.tools.model import model_identity
 
     _, model = model_identity(cfg)  # the default model is already prepared by now: cheap
+    others = [m.config_model for m in fleet_models(cfg, 0, 0)[1:]]
+    models = f"\n  models    {model} (the default), {', '.join(others)}   ([[models]] in the config)" if others else ""
     auth = f' -H "Authorization: Bearer {cfg.gateway.api_keys[0]}"' if cfg.gateway.api_keys else ""
     console.line(
         f"""
-Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}
+Skyline is up ({took_s:.0f}s): {cfg.gateway.mode} mode, engine {cfg.engine.kind}{models}
   gateway   {url}   (OpenAI API: {url}/v1)
   redis     {admin_url}   (redis-cli -u {admin_url} ...)
   status    skyline status --redis-url {admin_url}
