@@ -50,7 +50,7 @@ from skyline.gateway.prepare import Serving, json_body, pop_slo, read_body
 from skyline.gateway.ratelimit import KeyRateLimiter, TokenBudgets
 from skyline.gateway.relay import Relay
 from skyline.gateway.responses_api import ResponsesApi
-from skyline.gateway.tenants import Tenants, api_key_of
+from skyline.gateway.tenants import Tenant, Tenants, api_key_of, check_model
 from skyline.gateway.vllm_serving_internals import (
     allow_vllm_handlers, is_error_response, request_model, validation_response,
 )
@@ -179,11 +179,13 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        tenants.authenticate(request)
-        # Each model's own listing by vLLM (its card, its adapters with their parent), one list.
+        tenant = tenants.authenticate(request)
+        # Each model's own listing by vLLM (its card, its adapters with their parent), one list; a
+        # tenant limited to named models sees those only (gateway/tenants.py).
         listing = await front.models.show_available_models()
         listing.data = [card for pool in registry.listed()
-                        for card in (await pool.front.models.show_available_models()).data]
+                        for card in (await pool.front.models.show_available_models()).data
+                        if tenant.may_use(card.id)]
         return JSONResponse(listing.model_dump())
 
     @app.get("/health")
@@ -235,10 +237,12 @@ class _GenerationRoutes:
             self.budgets.check(tenant.owner, tenant.tokens_per_minute)
         return json_body(await read_body(request, self.cfg.gateway.max_body_bytes))
 
-    async def _front(self, body: dict[str, Any]) -> Frontend:
+    async def _front(self, body: dict[str, Any], tenant: Tenant) -> Frontend:
         """The serving objects of the model the body names (gateway/models.py). A name no model of the
-        fleet ever had goes to the gateway's own model's, whose vLLM code answers it with its 404."""
+        fleet ever had goes to the gateway's own model's, whose vLLM code answers it with its 404; one
+        the tenant may not use gets the same 404 (gateway/tenants.py)."""
         name = body.get("model")
+        check_model(tenant, name if isinstance(name, str) and name else self.registry.own.name)
         pool = await self.registry.find(name if isinstance(name, str) else None)
         if pool is None and isinstance(name, str) and name in self.registry.failed:
             raise ApiError(503, f"the gateway cannot serve model {name!r} that its workers serve: "
@@ -249,7 +253,7 @@ class _GenerationRoutes:
                     ) -> Response:
         """A route that never reaches the fleet (tokenize, detokenize): no token budget to spend."""
         body = await self._body(request, generates=False)
-        handler = pick(await self._front(body))
+        handler = pick(await self._front(body, request.state.tenant))
         try:
             req = _validate(model, body)
         except ValidationError as exc:
@@ -271,7 +275,7 @@ class _GenerationRoutes:
         try:
             body = await self._body(request)
             spec = pop_slo(body)
-            handler = pick(await self._front(body))
+            handler = pick(await self._front(body, request.state.tenant))
         except ApiError as exc:
             self.metrics.count("", "", exc.status)
             raise

@@ -21,6 +21,13 @@ file says otherwise. Operator keys have neither: they are the fleet's own tools
 (batch runners, the dashboard). A batch line keeps its owner's tier limit but
 not the budget: the batch runner paces the lines by the fleet's load, in the
 batch tier, and would turn a budget's 429s into failed lines after a few tries.
+
+A tenant key may also be limited to named models (`models=` on its line: base models' served names
+and LoRA adapters' names). It then sees only those in `/v1/models`, and a request naming any other
+model is answered as one naming a model that does not exist (vLLM's 404, `NotFoundError`), the rule
+of the first paragraph: a limited tenant cannot tell another tenant's adapter from a name nobody
+loaded. A request that names no model is the gateway's own model's, as in `vllm serve`, so it too must
+be listed. Batch lines keep their owner's models.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from starlette.requests import Request
 from skyline.core.config import GatewayConfig
 from skyline.core.config_rules import ConfigError
 from skyline.core.timeline import key_digest
+from skyline.gateway.errors import ApiError
 from skyline.gateway.prepare import check_auth
 
 log = logging.getLogger("skyline.gateway")
@@ -51,6 +59,11 @@ class Tenant:
     tokens_per_minute: int = 0  # its token budget (prompt + output); 0 = none
     strictest_tier: str = ""  # the strictest SLO tier it may use; "" = any
     response_store_bytes: int | None = None  # what its stored responses may take; None = the [gateway] default
+    models: frozenset[str] | None = None  # the models it may name (see the module docstring); None = every one
+
+    def may_use(self, model: str) -> bool:
+        """May this tenant name `model` (a base model's served name or an adapter's name)?"""
+        return self.models is None or model in self.models
 
     def owns(self, owner: str | None) -> bool:
         """May this tenant see an object recorded with `owner` (None: recorded without one)?"""
@@ -106,6 +119,9 @@ class Tenants:
         # Stored responses' bounds of the keys whose line names one (gateway/responses_api.py).
         self.store_bytes: dict[str, int] = {key_digest(k.key, self.secret): k.response_store_bytes
                                             for k in g.key_options if k.response_store_bytes is not None}
+        # The models of the keys whose line names them (the module docstring), by owner digest too.
+        self.models: dict[str, frozenset[str]] = {key_digest(k.key, self.secret): frozenset(k.models)
+                                                  for k in g.key_options if k.models is not None}
         for k in g.key_options:
             tpm, tier = k.limits
             self.limits[key_digest(k.key, self.secret)] = (self.default_limits[0] if tpm is None else tpm,
@@ -123,7 +139,7 @@ class Tenants:
             tenant = ANONYMOUS
         elif acting := _ACTING_FOR.get():  # a batch line: its owner's tier limit, no budget (module docstring)
             tenant = Tenant(acting, strictest_tier=self.limits.get(acting, self.default_limits)[1],
-                            response_store_bytes=self.store_bytes.get(acting))
+                            response_store_bytes=self.store_bytes.get(acting), models=self.models.get(acting))
         else:
             key = api_key_of(request) or ""
             # Constant-time, like check_auth: which keys are operators' must not show in timing either.
@@ -134,9 +150,18 @@ class Tenants:
             else:
                 tokens_per_minute, strictest_tier = self.limits.get(owner, self.default_limits)
                 tenant = Tenant(owner, tokens_per_minute=tokens_per_minute, strictest_tier=strictest_tier,
-                                response_store_bytes=self.store_bytes.get(owner))
+                                response_store_bytes=self.store_bytes.get(owner), models=self.models.get(owner))
         request.state.tenant = tenant
         return tenant
+
+
+def check_model(tenant: Tenant, model: str) -> None:
+    """Refuse a tenant's request naming a model it may not use, as vLLM refuses a model that does not
+    exist (404 NotFoundError, the module docstring), naming the models it may use instead of the fleet's."""
+    if not tenant.may_use(model):
+        allowed = ", ".join(sorted(tenant.models or ()))
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {allowed}.", type="NotFoundError",
+                       param="model")
 
 
 def owner_secret(g: GatewayConfig) -> bytes:

@@ -194,6 +194,16 @@ def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_p
     assert tenants.store_bytes == {key_digest("key-d", tenants.secret): 1000}  # the others: response_store_max_bytes
 
 
+def test_a_key_file_line_may_name_the_models_its_key_may_use(tmp_path):
+    (tmp_path / "keys.txt").write_text("key-a models=sql-lora,org/base-model:v2\nkey-b\n")
+    g = load_config(_write(tmp_path, f'[gateway]\napi_key_file = "{tmp_path / "keys.txt"}"\n')).gateway
+    assert [k.models for k in g.key_options] == [("sql-lora", "org/base-model:v2")]  # key-b: every model
+
+    from skyline.gateway.tenants import Tenants, key_digest
+    tenants = Tenants(g)
+    assert tenants.models == {key_digest("key-a", tenants.secret): frozenset({"sql-lora", "org/base-model:v2"})}
+
+
 @pytest.mark.parametrize("lines, says", [
     ("key-a tokens_per_minute=lots\n", "line 1: tokens_per_minute='lots' must be a whole number"),
     ("key-a tokens_per_minute=-5\n", "tokens_per_minute='-5' must be a whole number of tokens, at least 0"),
@@ -203,6 +213,9 @@ def test_a_key_file_line_may_set_its_keys_limits_over_the_gateway_defaults(tmp_p
     ("key-a\nkey-a tokens_per_minute=5\n", "line 2: the same key as"),
     ("key-a response_store_bytes=-1\n", "response_store_bytes='-1' must be a whole number of bytes, at least 0"),
     ("key-a\nkey-a response_store_bytes=5\n", "line 2: the same key as"),
+    ("key-a models=\n", "line 1: models= names no model"),
+    ("key-a models=x\nkey-a models=y\n", "line 2: the same key as"),
+    ("key-a model=x\n", "did you mean models?"),
 ])
 def test_a_bad_key_file_line_is_named_by_file_and_line_never_by_its_words(tmp_path, lines, says):
     (tmp_path / "keys.txt").write_text(lines)

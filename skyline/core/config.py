@@ -211,14 +211,17 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class KeyOptions:
     """A tenant key's own limits, from its line of api_key_file (`KEY tokens_per_minute=N
-    strictest_tier=TIER response_store_bytes=N`); None = the [gateway] default
-    (`tenant_tokens_per_minute`, `tenant_strictest_tier`, `response_store_max_bytes`)."""
+    strictest_tier=TIER response_store_bytes=N models=NAME,NAME`); None = the [gateway] default
+    (`tenant_tokens_per_minute`, `tenant_strictest_tier`, `response_store_max_bytes`; every model)."""
 
     key: str = field(repr=False)  # a secret: never in a repr or a message (`where` names the line instead)
     where: str = ""  # "FILE line N"
     tokens_per_minute: int | None = None  # 0 = no budget, whatever the default
     strictest_tier: str | None = None  # "" = any tier, whatever the default
     response_store_bytes: int | None = None  # its stored responses' bound; 0 = none, whatever the default
+    # The models it may name (base models' served names, LoRA adapters' names): it sees and may use
+    # these only (gateway/tenants.py `Tenant.may_use`). None = every model the fleet serves.
+    models: tuple[str, ...] | None = None
 
     @property
     def limits(self) -> tuple[int | None, str | None]:
@@ -226,7 +229,7 @@ class KeyOptions:
 
     @property
     def has_options(self) -> bool:
-        return self.limits != (None, None) or self.response_store_bytes is not None
+        return self.limits != (None, None) or self.response_store_bytes is not None or self.models is not None
 
 
 @dataclass(frozen=True)
@@ -550,7 +553,7 @@ def _tier(name: str, values: dict[str, Any]) -> Tier:
     return Tier(name=name, **values)
 
 
-KEY_OPTIONS = ("tokens_per_minute", "strictest_tier", "response_store_bytes")
+KEY_OPTIONS = ("tokens_per_minute", "strictest_tier", "response_store_bytes", "models")
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -561,7 +564,7 @@ def read_key_file(path: str) -> tuple[str, ...]:
 
 def read_key_lines(path: str) -> tuple[KeyOptions, ...]:
     """Each line of an API key file: `KEY [tokens_per_minute=N] [strictest_tier=TIER]
-    [response_store_bytes=N]  # comment`.
+    [response_store_bytes=N] [models=NAME,NAME]  # comment`.
 
     A bad line is a ConfigError naming the file and the line, never the key, nor a word that might
     be one (two keys on a line, a key with `=` in it): only option values are quoted. Tier names
@@ -580,22 +583,31 @@ def read_key_lines(path: str) -> tuple[KeyOptions, ...]:
             if not eq or name not in KEY_OPTIONS:
                 guess = difflib.get_close_matches(name, KEY_OPTIONS, n=1)
                 hint = f" (did you mean {guess[0]}?)" if guess and eq else ""
-                raise ConfigError(f"{where}: after the key, expected tokens_per_minute=N, strictest_tier=TIER or "
-                                  f"response_store_bytes=N{hint}; "
+                raise ConfigError(f"{where}: after the key, expected tokens_per_minute=N, strictest_tier=TIER, "
+                                  f"response_store_bytes=N or models=NAME,NAME{hint}; "
                                   "the word is not shown, it may be a key (one key per line)")
             options[name] = _key_option(where, name, value)
         entry = KeyOptions(words[0], where, **options)
         seen = first.setdefault(entry.key, entry)
-        if (seen.limits, seen.response_store_bytes) != (entry.limits, entry.response_store_bytes):  # which would hold?
+        if (seen.limits, seen.response_store_bytes, seen.models) != (entry.limits, entry.response_store_bytes,
+                                                                      entry.models):  # which would hold?
             raise ConfigError(f"{where}: the same key as {seen.where}, with other options")
         out.append(entry)
     return tuple(out)
 
 
-def _key_option(where: str, name: str, value: str) -> int | str:
+def _key_option(where: str, name: str, value: str) -> int | str | tuple[str, ...]:
     shown = value if len(value) <= 40 else value[:40] + "..."
     if name == "strictest_tier":
         return value  # "" = any tier; the name is checked against the tiers in config_rules.py
+    if name == "models":
+        # Names the fleet may not serve yet (an adapter loaded later, a model whose workers start later)
+        # are kept as written: the gateway checks each request's model against them.
+        models = tuple(m for m in value.split(",") if m)
+        if not models:
+            raise ConfigError(f"{where}: models= names no model: list the models and adapters the key may "
+                              "use, separated by commas (leave the option out for every model)")
+        return models
     try:
         number = int(value)
     except ValueError:
