@@ -6,8 +6,9 @@ gateway keeps that object and its code; what changes is where the set lives (sky
 
 - `POST /v1/load_lora_adapter` runs vLLM's `load_lora_adapter` (its checks and answers: both fields,
   a name that is a base model, `load_inplace`), whose engine call, `add_lora`, is the fleet's load
-  here (`FleetAdapters.add`): the path must hold an adapter, some live worker must run LoRA, and the
-  adapter is registered in Redis under a new fleet-wide id. Engines load it when a request first runs
+  here (`FleetAdapters.add`): some live worker must run LoRA, one of them must be able to load the
+  adapter from the path (it reads it where the engines run: the gateway may be on another host and
+  never reads it), and the adapter is registered in Redis under a new fleet-wide id. Engines load it when a request first runs
   with it (adapter-aware placement prefers those that hold it: scheduler/adapters.py).
 - `POST /v1/unload_lora_adapter` runs vLLM's `unload_lora_adapter`, then removes the adapter from the
   registry; each worker drops it from its engine at its next heartbeat.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +44,7 @@ from skyline.scheduler.prefix import PlacedInFlight
 log = logging.getLogger("skyline.gateway")
 
 SYNC_S = 1.0  # how often a gateway reads the registry (a load elsewhere is served here within this)
+CHECK_WAIT_S = 10.0  # how long a load waits for a worker to check the adapter's path
 
 
 class FleetAdapters:
@@ -68,11 +69,17 @@ class FleetAdapters:
         from vllm.exceptions import LoRAAdapterNotFoundError
 
         path = lora_request.lora_path
-        if not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
-            # vLLM's own answer (404) for an adapter its engine cannot find; the gateway reads the path as
-            # the workers will (a local path on one host, or storage every host mounts at that path).
-            raise LoRAAdapterNotFoundError(lora_request.lora_name, path)
         base = lora_request.base_model_name or self.pools.own.name
+        # Read where the engines run, not here (skyline/core/adapters.py): a worker of the model checks it.
+        keyspace = self.pools.by_name.get(base, self.pools.own).spec.keyspace
+        checked = await adapters.ask_check(self._r(), self.keys.for_model(keyspace), path, CHECK_WAIT_S)
+        if checked is None:  # vLLM answers an exception here with a 500 and its message
+            raise RuntimeError(f"no worker of {base!r} that runs LoRA answered the check of {path} within "
+                               f"{CHECK_WAIT_S:.0f} s")
+        if checked.missing:  # vLLM's own answer (404) for an adapter its engine cannot find
+            raise LoRAAdapterNotFoundError(lora_request.lora_name, path)
+        if checked.problem:
+            raise ValueError(f"worker {checked.worker} cannot load the LoRA adapter: {checked.problem}")
         registered = await adapters.register(self._r(), self.keys, lora_request.lora_name, path, base)
         lora_request.lora_int_id = registered.lora_id
         self.pools.adapters[registered.name] = base

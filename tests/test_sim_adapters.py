@@ -37,13 +37,13 @@ async def test_one_slot_runs_one_adapter_at_a_time_and_a_load_costs_its_time():
         await asyncio.gather(run(engine, req("a1", A, max_tokens=20), done), run(engine, req("b1", B), done))
         # b waited for a's 20 tokens (its slot), then paid a load of its own: two loads in all.
         assert done["b1"] > done["a1"]
-        assert engine.loads == 2 and done["b1"] - t0 >= 0.4
+        assert engine.adapter_loads == 2 and done["b1"] - t0 >= 0.4
         assert await engine.adapters() == {2: "b"}  # one slot keeps one adapter: a was evicted
         assert engine.adapter_load_ms == pytest.approx(200.0)
         # b is held: no load this time.
         t1 = time.monotonic()
         await run(engine, req("b2", B), done)
-        assert engine.loads == 2 and done["b2"] - t1 < 0.2
+        assert engine.adapter_loads == 2 and done["b2"] - t1 < 0.2
     finally:
         await engine.shutdown()
 

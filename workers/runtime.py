@@ -150,7 +150,8 @@ class WorkerRuntime:
         await self._beat()
         log.info("worker %s ready (role=%s engine=%s)", self.worker_id, self.role, self.engine.kind)
         side = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop()),
-                asyncio.create_task(watch_engine(self))]
+                asyncio.create_task(watch_engine(self)),
+                asyncio.create_task(self.adapter_keeper.serve_checks())]  # adapter paths a gateway asks about
         if self.info.cache_block_size:
             side.append(asyncio.create_task(
                 mirror_cache(self.engine, self.redis, self.keys, self.worker_id, self.cfg.worker)))

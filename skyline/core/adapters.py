@@ -14,12 +14,21 @@ Each load gets a new fleet-wide id (`Keys.adapter_ids`, vLLM's `lora_int_id`): a
 adapter's weights under its id, so an adapter unloaded and loaded again (perhaps from new weights)
 is never served with the weights an engine kept from before; workers remove from their engines the
 ids the registry no longer holds (workers/adapters.py).
+
+A path is read where the engines run, never by the gateway: a gateway on another host than the
+workers need not see it. So the load route asks one worker of the base model that runs LoRA to check
+it as its engine would load it (`ask_check` -> `take_check` / `answer_check`), and answers as
+`vllm serve` answers a load its engine refused: nothing there is vLLM's 404, an adapter the engine
+cannot take (a rank over --max-lora-rank, say) its 500 with the reason. One worker checks: workers of
+one model are expected to see the same paths (one image, or storage every host mounts alike).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -107,3 +116,72 @@ def conflicts(modules: list[Any], registered: list[Adapter]) -> list[str]:
     return [f"--lora-modules {m.name}={m.path}: the fleet already serves {m.name!r} from {by_name[m.name].path} "
             "(unload it first to change it)" for m in modules
             if m.name in by_name and by_name[m.name].path != m.path]
+
+
+# -- checking a path where the engines run (the module docstring) ------------------------------------
+
+CHECK_TTL_S = 30  # a check's answer, and a queue of checks no worker reads, expire after this
+
+
+@dataclass(frozen=True)
+class Check:
+    """One gateway's question: can an engine load an adapter from `path`?"""
+
+    path: str
+    reply: str  # the key its answer goes to
+    until_ms: int  # the gateway stops waiting then: a worker that takes it later skips it
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    worker: str  # the worker that read the path
+    problem: str = ""  # "" = its engine can load the adapter
+    missing: bool = False  # nothing at the path (vLLM's LoRAAdapterNotFoundError)
+
+
+async def ask_check(r: aioredis.Redis, keys: Keys, path: str, timeout_s: float) -> CheckResult | None:
+    """Ask a worker of `keys`' model to check `path`; None when none answered within `timeout_s`."""
+    check = Check(path, keys.adapter_check_reply(uuid.uuid4().hex), int((time.time() + timeout_s) * 1000))
+    pipe = r.pipeline(transaction=False)
+    pipe.rpush(keys.adapter_checks, json.dumps(asdict(check)))
+    pipe.expire(keys.adapter_checks, CHECK_TTL_S)
+    await pipe.execute()
+    got = await r.blpop([check.reply], timeout=timeout_s)
+    if got is None:
+        return None
+    d = json.loads(got[1])
+    return CheckResult(str(d["worker"]), str(d.get("problem", "")), bool(d.get("missing", False)))
+
+
+async def take_check(r: aioredis.Redis, keys: Keys, wait_s: float) -> Check | None:
+    """The next check still awaited (a worker's side), waiting up to `wait_s` for one; None: none."""
+    got = await r.blpop([keys.adapter_checks], timeout=wait_s)
+    if got is None:
+        return None
+    try:
+        d = json.loads(got[1])
+        check = Check(str(d["path"]), str(d["reply"]), int(d["until_ms"]))
+    except (ValueError, KeyError, TypeError):
+        return None  # not ours to read
+    return check if check.until_ms > time.time() * 1000 else None
+
+
+async def answer_check(r: aioredis.Redis, check: Check, result: CheckResult) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.rpush(check.reply, json.dumps(asdict(result)))
+    pipe.expire(check.reply, CHECK_TTL_S)
+    await pipe.execute()
+
+
+def config_problem(path: str) -> tuple[str, bool]:
+    """(why an adapter cannot be loaded from `path`, whether nothing is there); ("", False) when its
+    adapter_config.json reads as a PEFT config. What an engine without vLLM's own check (the sim) uses."""
+    config = os.path.join(os.path.expanduser(path), "adapter_config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            d = json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"no adapter_config.json at {path}", True
+    except (OSError, ValueError) as exc:
+        return f"{config} cannot be read as JSON: {exc}", False
+    return ("", False) if isinstance(d, dict) else (f"{config} is not a JSON object", False)

@@ -40,10 +40,12 @@ class WorkerInfo:
     model_path: str = ""
     max_model_len: int = 0
     # LoRA (skyline/core/adapters.py): the adapters its engine holds (names, comma-separated), how many it
-    # runs at once (vLLM's max_loras; 0 = LoRA off) and what loading one took it (ms, 0 = not measured).
+    # runs at once (vLLM's max_loras; 0 = LoRA off), what loading one took it (ms, 0 = not measured) and
+    # how many loads it made since it started (what `skyline bench run --workload lora` counts).
     adapters: str = ""
     lora_slots: int = 0
     adapter_load_ms: float = 0.0
+    adapter_loads: int = 0
 
     def held_adapters(self) -> frozenset[str]:
         return frozenset(a for a in self.adapters.split(",") if a)
@@ -99,7 +101,7 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
                 nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
                 cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
                 adapters=d.get("adapters", ""), lora_slots=int(d.get("lora_slots", 0)),
-                adapter_load_ms=float(d.get("adapter_load_ms", 0.0)),
+                adapter_load_ms=float(d.get("adapter_load_ms", 0.0)), adapter_loads=int(d.get("adapter_loads", 0)),
                 keyspace=d.get("keyspace", ""), model_path=d.get("model_path", ""),
                 max_model_len=int(d.get("max_model_len", 0)),
             )

@@ -124,6 +124,19 @@ class Keys:
         fleet-wide id (vLLM's lora_int_id), so no engine serves a reloaded adapter with old weights."""
         return f"{self.prefix}:adapter_ids"
 
+    @property
+    def adapter_checks(self) -> str:
+        """LIST `skyline:adapter_checks` (`skyline:adapter_checks:<model>` for another model) — a gateway's
+        load route asks a worker of the base model to read an adapter's path where the engines run: JSON
+        {path, reply, until_ms}, RPUSH'ed by the gateway, BLPOP'ed by one worker that runs LoRA
+        (skyline/core/adapters.py `ask_check`). Expires 30 s after the last check: nobody read it."""
+        return f"{self.prefix}:adapter_checks" + (f":{self.model}" if self.model else "")
+
+    def adapter_check_reply(self, nonce: str) -> str:
+        """LIST `skyline:adapter_check:<nonce>` — the answer to one check: JSON {worker, problem, missing},
+        RPUSH'ed by the worker, BLPOP'ed by the gateway that asked. TTL 30 s."""
+        return f"{self.prefix}:adapter_check:{nonce}"
+
     def tokens(self, request_id: str) -> str:
         """CHANNEL `skyline:tokens:<request id>` — output frames of one request.
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from skyline.core.adapters import config_problem
 from skyline.core.messages import AdapterRef, SamplingSpec
 
 
@@ -170,9 +171,11 @@ class Engine(abc.ABC):
     # -- LoRA adapters (skyline/core/adapters.py, workers/adapters.py) --------------------------
     # Adapters the engine runs at once (vLLM's max_loras), known after `start`; 0 = no LoRA: a request
     # with an adapter is refused. An engine loads a request's adapter when the request arrives, if
-    # it does not hold it yet; `adapter_load_ms` is what its loads took (mean, 0 = none measured).
+    # it does not hold it yet; `adapter_load_ms` is what its loads took (mean, 0 = none measured),
+    # `adapter_loads` how many it made (the worker's skyline_worker_adapter_loads_total).
     lora_slots: int = 0
     adapter_load_ms: float = 0.0
+    adapter_loads: int = 0
     # `vllm serve`'s --lora-modules given to this engine's worker (vLLM's LoRAModulePath each): the worker
     # registers them in the fleet's registry at start.
     static_adapters: tuple = ()
@@ -180,6 +183,11 @@ class Engine(abc.ABC):
     async def adapters(self) -> dict[int, str]:
         """The adapters the engine holds (loaded, not evicted): lora id -> name."""
         return {}
+
+    async def check_adapter(self, path: str) -> tuple[str, bool]:
+        """Could this engine load a LoRA adapter from `path`, read where it runs? ("", False) = yes; else
+        (why not, whether nothing is there). Here: its adapter_config.json reads as a config."""
+        return config_problem(path)
 
     async def remove_adapter(self, lora_id: int) -> None:
         """Drop the adapter loaded under `lora_id` (unloaded from the fleet). Unknown ids are ignored."""

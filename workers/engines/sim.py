@@ -155,7 +155,6 @@ class SimEngine(Engine):
         self.lora_slots = self.timing.lora_slots
         self._loras: OrderedDict[int, str] = OrderedDict()  # adapters held: lora id -> name, LRU first
         self._load_due_s = 0.0  # adapter loads the next step pays for
-        self.loads = 0  # adapter loads so far
 
     def cache_delta(self) -> CacheDelta | None:
         return self.cache.take_delta() if self.cache else None
@@ -191,7 +190,7 @@ class SimEngine(Engine):
             self._loras.move_to_end(ref.lora_id)
             return True
         self._load_due_s += self.timing.lora_load_s
-        self.loads += 1
+        self.adapter_loads += 1
         self.adapter_load_ms = self.timing.lora_load_s * 1000
         self._loras[ref.lora_id] = ref.name
         for lora_id in list(self._loras):  # keep as many loaded as run at once, evicting idle ones first

@@ -462,11 +462,34 @@ class VllmEngine(Engine):
                 raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: {exc}",
                                      status=400, param="model") from None
             self._adapter_names[ref.lora_id] = ref.name
+            self.adapter_loads += 1
             self._adapter_loads = [*self._adapter_loads[-7:], (time.monotonic() - t0) * 1000]
             self.adapter_load_ms = sum(self._adapter_loads) / len(self._adapter_loads)
             log.info("LoRA adapter %s (id %d) loaded from %s in %.0f ms", ref.name, ref.lora_id, ref.path,
                      self._adapter_loads[-1])
         return lora
+
+    async def check_adapter(self, path: str) -> tuple[str, bool]:
+        """vLLM's own reading of an adapter before its weights (what its load does first): the path as it
+        resolves it, PEFTHelper's config and its checks against this engine's LoRA config (a rank over
+        --max-lora-rank, a bias...)."""
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        assert self._llm is not None
+        config = self._llm.vllm_config
+        positions = getattr(config.model_config.hf_config.get_text_config(), "max_position_embeddings", None)
+
+        def read() -> tuple[str, bool]:
+            try:
+                PEFTHelper.from_local_dir(get_adapter_absolute_path(path), positions).validate_legal(config.lora_config)
+            except FileNotFoundError:
+                return f"no adapter at {path}", True
+            except Exception as exc:  # noqa: BLE001 - vLLM's own reasons, passed on as its load route would
+                return str(exc), False
+            return "", False
+
+        return await asyncio.to_thread(read)
 
     async def adapters(self) -> dict[int, str]:
         if self._llm is None or not self.lora_slots:
