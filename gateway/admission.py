@@ -44,7 +44,7 @@ def apply_admission(
     d, model_ttft_ms = decide(policy, cfg.tiers, req.tier, target_ms, tokens, stage, backlog,
                               pool_rate(fleet.workers, stage), calibration, prep.allow_demotion and not req.best_effort,
                               handoff_ms)
-    metrics.admission.labels(req.tier, d.action).inc()
+    metrics.admission.labels(req.model, req.tier, d.action).inc()
     if d.action == "reject" and req.best_effort:
         raise ApiError(429, f"the queue ahead would hold this request (it asks for no SLO) about "
                             f"{d.predicted_ttft_ms / 1000:.0f} s before its first token, past [gateway] "

@@ -205,8 +205,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         if dispatcher.redis is not None and registry.fleet is not None:
-            try:  # the fleet-wide queue gauges; without Redis the gateway's own metrics still render
-                await metrics.refresh_fleet(dispatcher.redis, keys, cfg.tier_names, dict(registry.fleet.roles))
+            try:  # each model's queue gauges; without Redis the gateway's own metrics still render
+                await metrics.refresh_fleet(dispatcher.redis, _model_gauges(registry), cfg.tier_names)
             except (RedisError, OSError) as exc:
                 log.warning("metrics: cannot read the queues: %s", exc)
         return Response(metrics.render(), media_type=metrics.content_type)
@@ -215,6 +215,13 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     add_dashboard_routes(app, cfg, keys, lambda: (dispatcher.redis, registry.fleet), tenants)
 
     return app
+
+
+def _model_gauges(registry: ModelRegistry) -> list[tuple[str, Keys, dict[str, int]]]:
+    """Each model the gateway has served (one whose workers left too: its gauges go to its queues' and
+    0 workers, not stale values): (served name, its queues' keys, its live workers by role)."""
+    return [(p.name, p.dispatcher.keys, dict(p.view.roles) if p.view is not None else {})
+            for p in registry.by_name.values()]
 
 
 class _GenerationRoutes:

@@ -35,7 +35,7 @@ from starlette.requests import Request
 
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
-from skyline.core.queues import read_streams
+from skyline.core.queues import fleet_models, read_model_streams
 from skyline.core.slo_record import attainment, by_minute, read_minutes, read_recent, slowest
 from skyline.gateway.errors import ApiError
 from skyline.gateway.tenants import Tenants
@@ -47,8 +47,10 @@ SLOWEST = 10
 
 async def dashboard_data(r: Any, fleet: Any, cfg: SkylineConfig, keys: Keys, now_ms: int) -> dict:
     """Everything the page shows, as one JSON-able dict."""
+    # Every model's queues (its keyspace's), each row naming its model; the page names it once there are several.
+    models = fleet_models(fleet.workers if fleet else [], cfg.default_model)
     streams, minutes, recent = await asyncio.gather(
-        read_streams(r, keys, cfg.tier_names),
+        read_model_streams(r, keys, cfg.tier_names, models),
         read_minutes(r, keys, now_ms, WINDOW_MINUTES),
         read_recent(r, keys, cfg.observability.recent_requests),
     )
@@ -68,7 +70,8 @@ async def dashboard_data(r: Any, fleet: Any, cfg: SkylineConfig, keys: Keys, now
         "now_ms": now_ms,
         "tiers": list(cfg.tier_names),
         "targets": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in cfg.tiers},
-        "streams": [asdict(s) for s in streams],
+        "models": sorted(set(models.values())),
+        "streams": streams,
         "workers": [{**asdict(w), "heartbeat_age_s": round(now_s - w.last_seen, 1)} for w in workers],
         "max_running": cfg.worker.max_running,
         "attainment_5m": {"all": attainment(last5), **{t: attainment(last5, t) for t in cfg.tier_names}},

@@ -222,7 +222,7 @@ class FleetClient:
         except ApiError as exc:
             scope.counted = True
             if not exc.recorded:
-                self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status)
+                self.dispatcher.metrics.count(prep.slo.tier, prep.route, exc.status, prep.request.model)
                 observer.refused(prep, scope.raw, exc)
             raise
         prep = session.prep  # admission control may have demoted it

@@ -102,7 +102,7 @@ class GatewayObserver:
         if exc.code in _REFUSAL_DECISION:
             self.timeline.emit(req.request_id, "admitted", decision=_REFUSAL_DECISION[exc.code], tier=tier)
         self.timeline.emit(req.request_id, "failed", status=exc.status, reason=exc.code or exc.type)
-        self.metrics.verdict(tier, False)
+        self.metrics.verdict(tier, False, req.model)
         outcome = Outcome(req.request_id, tier, int(now_ms()), exc.status, False, route=prep.route,
                           prompt_tokens=len(req.prompt_token_ids))
         if self.slo is not None:
@@ -122,7 +122,7 @@ class GatewayObserver:
         prep, rid = session.prep, session.request_id
         tier, slo = prep.slo.tier, prep.slo
         for gap in session.itl_s:
-            self.metrics.itl.labels(tier).observe(gap)
+            self.metrics.itl.labels(prep.request.model, tier).observe(gap)
         ttft = tpot = None
         met = False
         if fin is not None:
@@ -138,7 +138,7 @@ class GatewayObserver:
         tpot_ms = None if tpot is None else round(tpot * 1000, 2)
         tl.emit(rid, "responded", status=status, ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=round(e2e_ms, 1),
                 slo_met=met)
-        self.metrics.verdict(tier, met)
+        self.metrics.verdict(tier, met, prep.request.model)
         outcome = Outcome(
             rid, tier, int(now_ms()), status if fin is None else 200, met,
             ttft_met=ttft is not None and ttft * 1000 <= slo.ttft_ms,

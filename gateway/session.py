@@ -65,7 +65,7 @@ class Session:
         self.t_last_token: float | None = None
         self.itl_s: list[float] = []  # gaps between frames that carried tokens
         self.on_close: list = []  # callables (session, status, fin), e.g. the timeline and SLO record
-        metrics.in_flight.inc()
+        metrics.in_flight.labels(prep.request.model).inc()
 
     # ---- frames ---------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class Session:
         if not self.finished:
             self.cancel("client_disconnected" if status == 499 else "gateway_abort")
         self.relay.unsubscribe(self.sub)
-        self.metrics.in_flight.dec()
+        self.metrics.in_flight.labels(self.prep.request.model).dec()
         # What the request's end records (metrics, timeline, SLO record, calibration, budgets) runs
         # after the response's last bytes are written: a stream's last chunk waits for the end of its
         # generator, and these cost more than the rest of the gateway's part of a short request.
@@ -227,12 +227,13 @@ class Session:
 
     def _record(self, status: int, fin: messages.Finished | None) -> None:
         m = self.metrics
-        m.count(self.prep.slo.tier, self.prep.route, status)
+        model = self.prep.request.model  # the base model's served name: its series (gateway/metrics.py)
+        m.count(self.prep.slo.tier, self.prep.route, status, model)
         if fin is not None:
             ttft, tpot, met = self.latency(fin)
             end = self.t_end if self.t_end is not None else time.perf_counter()
-            m.finished(self.prep.slo.tier, ttft, tpot, end - self.prep.t_arrival, met)
+            m.finished(self.prep.slo.tier, ttft, tpot, end - self.prep.t_arrival, met, model)
             if ttft is not None and self.prep.predicted_ttft_ms is not None:
-                m.prediction_error.labels(self.prep.slo.tier).observe(ttft - self.prep.predicted_ttft_ms / 1000)
+                m.prediction_error.labels(model, self.prep.slo.tier).observe(ttft - self.prep.predicted_ttft_ms / 1000)
         for hook in self.on_close:
             hook(self, status, fin)

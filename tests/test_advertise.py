@@ -135,9 +135,9 @@ async def test_worker_endpoint_probes_metrics_and_advertised_address(redis_url, 
             await asyncio.sleep(0.05)
         status, text = await asyncio.to_thread(_get, f"{base}/metrics")
         assert status == 200
-        assert 'skyline_worker_ready{role="decode",worker="decode-ep"} 1.0' in text
-        assert 'skyline_worker_kv_usage{role="decode",worker="decode-ep"}' in text
-        assert 'skyline_worker_requests_total{outcome="completed",role="decode",worker="decode-ep"}' in text
+        assert 'skyline_worker_ready{model="skyline-sim",role="decode",worker="decode-ep"} 1.0' in text
+        assert 'skyline_worker_kv_usage{model="skyline-sim",role="decode",worker="decode-ep"}' in text
+        assert 'skyline_worker_requests_total{model="skyline-sim",outcome="completed",role="decode",worker="decode-ep"}' in text
         r = rt.redis
         [info] = [w for w in await list_workers(r, Keys(key_prefix), 10.0) if w.worker_id == "decode-ep"]
         assert (info.address, info.metrics_port) == ("127.0.0.1", port)

@@ -404,8 +404,9 @@ def test_short_prompts_prefilled_on_decode_worker(redis_url, key_prefix):
         worker.send(*worker.script(work.request.request_id, ["k"]))
         assert fut.result().choices[0].text == "k"
         metrics = httpx.get(gw.url + "/metrics").text
-        assert 'skyline_gateway_requests_total{route="colocated",status="200",tier="standard"} 1.0' in metrics
-        assert 'skyline_gateway_ttft_seconds_count{tier="standard"} 1.0' in metrics
+        assert f'skyline_gateway_requests_total{{model="{MODEL}",route="colocated",status="200",tier="standard"}} 1.0' \
+            in metrics
+        assert f'skyline_gateway_ttft_seconds_count{{model="{MODEL}",tier="standard"}} 1.0' in metrics
 
 
 def test_reasoning_parser_splits_reasoning_from_content(redis_url, key_prefix):

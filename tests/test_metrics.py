@@ -75,29 +75,29 @@ async def test_metrics_after_a_known_sequence_agree_with_the_bench_report(redis_
         # Requests, latency histograms and SLO verdicts by tier.
         for tier, _h, _m, n in SEQUENCE:
             attained = report["by_tier"][tier]["attained"]
-            assert value(sm, "skyline_gateway_requests_total", tier=tier, route="disagg", status="200") == n
-            assert value(sm, "skyline_gateway_ttft_seconds_count", tier=tier) == n
-            assert value(sm, "skyline_gateway_ttft_seconds_bucket", tier=tier, le="+Inf") == n
-            assert value(sm, "skyline_gateway_ttft_seconds_bucket", tier=tier, le="5.0") == n  # all well under 5 s
-            assert value(sm, "skyline_gateway_ttft_seconds_bucket", tier=tier, le="0.005") == 0  # none faster than that
-            assert value(sm, "skyline_gateway_e2e_seconds_count", tier=tier) == n
-            assert value(sm, "skyline_gateway_tpot_seconds_count", tier=tier) == n  # every output has > 1 token
-            assert value(sm, "skyline_gateway_slo_met_total", tier=tier) == attained
-            assert value(sm, "skyline_gateway_slo_missed_total", tier=tier) == n - attained
+            assert value(sm, "skyline_gateway_requests_total", model=MODEL, tier=tier, route="disagg", status="200") == n
+            assert value(sm, "skyline_gateway_ttft_seconds_count", model=MODEL, tier=tier) == n
+            assert value(sm, "skyline_gateway_ttft_seconds_bucket", model=MODEL, tier=tier, le="+Inf") == n
+            assert value(sm, "skyline_gateway_ttft_seconds_bucket", model=MODEL, tier=tier, le="5.0") == n  # all well under 5 s
+            assert value(sm, "skyline_gateway_ttft_seconds_bucket", model=MODEL, tier=tier, le="0.005") == 0  # none faster than that
+            assert value(sm, "skyline_gateway_e2e_seconds_count", model=MODEL, tier=tier) == n
+            assert value(sm, "skyline_gateway_tpot_seconds_count", model=MODEL, tier=tier) == n  # every output has > 1 token
+            assert value(sm, "skyline_gateway_slo_met_total", model=MODEL, tier=tier) == attained
+            assert value(sm, "skyline_gateway_slo_missed_total", model=MODEL, tier=tier) == n - attained
             assert dash["attainment_5m"][tier]["met"] == attained and dash["attainment_5m"][tier]["done"] == n, (dash["attainment_5m"], dash["minutes"][-2:])
         assert report["by_tier"]["standard"]["attained"] == 4 and report["by_tier"]["interactive"]["attained"] == 0
         assert report["attained"] == 6 == dash["attainment_5m"]["all"]["met"]
         # TPOT of the 5 ms decode steps lands between the 2.5 ms and 10 ms bucket bounds.
-        assert value(sm, "skyline_gateway_tpot_seconds_bucket", tier="standard", le="0.0025") == 0
-        assert value(sm, "skyline_gateway_tpot_seconds_bucket", tier="standard", le="0.025") == 4
-        assert value(sm, "skyline_gateway_itl_seconds_count", tier="standard") >= 4
+        assert value(sm, "skyline_gateway_tpot_seconds_bucket", model=MODEL, tier="standard", le="0.0025") == 0
+        assert value(sm, "skyline_gateway_tpot_seconds_bucket", model=MODEL, tier="standard", le="0.025") == 4
+        assert value(sm, "skyline_gateway_itl_seconds_count", model=MODEL, tier="standard") >= 4
         # Fleet gauges, read from Redis at scrape time: everything drained, both workers alive.
-        assert ("skyline_queue_length", (("stage", "prefill"), ("tier", "standard"))) in sm
-        assert value(sm, "skyline_queue_pending", stage="decode", tier="standard") == 0
-        assert value(sm, "skyline_queue_waiting", stage="prefill", tier="standard") == 0
-        assert value(sm, "skyline_queue_backlog_tokens", stage="prefill", tier="standard") == 0
-        assert value(sm, "skyline_fleet_workers", role="prefill") == 1
-        assert value(sm, "skyline_fleet_workers", role="decode") == 1
+        assert ("skyline_queue_length", (("model", MODEL), ("stage", "prefill"), ("tier", "standard"))) in sm
+        assert value(sm, "skyline_queue_pending", model=MODEL, stage="decode", tier="standard") == 0
+        assert value(sm, "skyline_queue_waiting", model=MODEL, stage="prefill", tier="standard") == 0
+        assert value(sm, "skyline_queue_backlog_tokens", model=MODEL, stage="prefill", tier="standard") == 0
+        assert value(sm, "skyline_fleet_workers", model=MODEL, role="prefill") == 1
+        assert value(sm, "skyline_fleet_workers", model=MODEL, role="decode") == 1
         assert value(sm, "skyline_timeline_write_errors_total") == 0
 
         # Worker registries: every request claimed once per stage, KV pulled for each, tokens counted.
@@ -139,8 +139,8 @@ async def test_a_request_refused_after_parsing_counts_as_missed_and_is_traced(re
             assert resp.status_code == 503
             await asyncio.sleep(0.1)
             sm = samples((await http.get("/metrics")).text)
-    assert value(sm, "skyline_gateway_slo_missed_total", tier="standard") == 1
-    assert value(sm, "skyline_gateway_slo_met_total", tier="standard") == 0
+    assert value(sm, "skyline_gateway_slo_missed_total", model=MODEL, tier="standard") == 1
+    assert value(sm, "skyline_gateway_slo_met_total", model=MODEL, tier="standard") == 0
     r = aioredis.from_url(redis_url)
     keys = Keys(key_prefix)
     recent = await r.lrange(keys.recent, 0, -1)

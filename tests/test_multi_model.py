@@ -250,3 +250,43 @@ def test_a_models_table_is_checked_at_load_and_its_served_name_by_skyline_up(tmp
     with pytest.raises(SystemExit) as exit_:
         check_models(cfg)
     assert exit_.value.code == 2
+
+
+def test_metrics_and_the_dashboard_show_each_models_series(fleet, client):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for model in (A, B):
+        _chat(client, model)
+    with urllib.request.urlopen(f"{fleet.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    series = {(s.name, s.labels.get("model")): s for f in text_string_to_metric_families(text) for s in f.samples}
+    for model in (A, B):  # the default model's series carry its served name too
+        for name in ("skyline_gateway_requests_total", "skyline_gateway_ttft_seconds_count",
+                     "skyline_gateway_tpot_seconds_count", "skyline_gateway_admission_total",
+                     "skyline_gateway_slo_met_total", "skyline_queue_length", "skyline_queue_waiting",
+                     "skyline_fleet_workers"):
+            assert (name, model) in series, (name, model)
+    workers = {(s.labels["model"], s.labels["role"]): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples if s.name == "skyline_fleet_workers"}
+    assert (workers[(A, "prefill")], workers[(A, "decode")], workers[(B, "elastic")], workers[(B, "decode")]) == (1, 1, 1, 0)
+    queues = {(s.labels["model"], s.labels["stage"], s.labels["tier"]): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples if s.name == "skyline_queue_length"}
+    assert queues[(B, "prefill", "standard")] >= 1  # B's own stream, counted under B
+    # A worker's series carry the model it serves.
+    worker = fleet.worker_metrics("elastic-b")
+    assert f'skyline_worker_ready{{model="{B}",role="elastic",worker="elastic-b"}} 1.0' in worker
+    assert f'model="{B}"' in next(line for line in worker.splitlines() if line.startswith("skyline_worker_output_tokens_total"))
+    # The dashboard's data: every model's streams, each naming its model.
+    dash = _json(f"{fleet.url}/dashboard/data")
+    assert set(dash["models"]) == {A, B}
+    assert {(s["model"], s["stage"]) for s in dash["streams"]} >= {(A, "prefill"), (B, "prefill"), (B, "decode")}
+    assert {w["worker_id"]: w["model"] for w in dash["workers"]}["elastic-b"] == B
+
+
+def _json(url: str):
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())

@@ -251,7 +251,7 @@ def test_each_turn_of_a_conversation_is_served_where_its_history_is_cached(redis
         placed = [e for e in timeline["events"] if e["event"] == "placed"]
         assert placed and placed[0]["fields"]["worker"] == served[5][0]
         metrics = fleet.worker_metrics(served[5][0])
-        assert 'skyline_worker_prompt_tokens_total{source="cached"}' in metrics
+        assert 'skyline_worker_prompt_tokens_total{model="skyline-sim",source="cached"}' in metrics
 
         # The holder dies: the next turn is served by the other worker, within the bound.
         holder = served[0][0]

@@ -1,7 +1,9 @@
 """A worker's HTTP endpoint: Prometheus metrics and the probes an orchestrator asks.
 
   GET /metrics  Prometheus text: held requests, queue inside the engine, KV cache
-                usage, prefill throughput, request outcomes (labels role, worker)
+                usage, prefill throughput, request outcomes (labels role, worker), and the
+                request events' metrics (workers/observe.py); every series also has `model`,
+                the served name of the model the worker serves (a worker serves one)
   GET /ready    200 once the engine is up and the worker claims work; 503 before
                 that and while it drains (SIGTERM: stops claiming, finishes its work)
   GET /health   200 while the process runs
@@ -64,6 +66,20 @@ class _RuntimeCollector:
         yield outcomes
 
 
+class _WithLabel:
+    """A registry's metrics with one more label on every series: a worker serves one model, so each of
+    its series is that model's, as the gateway's per-request series are (label `model`)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: Any):
+        self.registry, self.name, self.value = registry, name, value
+
+    def collect(self):
+        value = self.value() if callable(self.value) else self.value
+        for family in self.registry.collect():  # fresh objects each scrape: changed in place
+            family.samples = [s._replace(labels={**s.labels, self.name: value}) for s in family.samples]
+            yield family
+
+
 class WorkerEndpoint:
     """The HTTP endpoint of one worker (see the module docstring)."""
 
@@ -93,7 +109,8 @@ class WorkerEndpoint:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._reply(200, generate_latest(endpoint.registry), CONTENT_TYPE_LATEST)
+                    labelled = _WithLabel(endpoint.registry, "model", lambda: getattr(endpoint.runtime.info, "model", ""))
+                    self._reply(200, generate_latest(labelled), CONTENT_TYPE_LATEST)
                 elif path == "/ready":
                     ok = endpoint.ready
                     self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")

@@ -89,3 +89,20 @@ async def read_streams(r, keys: Keys, tiers: tuple[str, ...]) -> list[StreamStat
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def fleet_models(workers: list, default_model: str) -> dict[str, str]:
+    """keyspace -> served name of every model whose queues there are to read: the default model's plain
+    keys ("", named by a live worker of it, else `default_model`) and each live worker's model's."""
+    models = {"": next((w.model for w in workers if not w.keyspace), default_model)}
+    for w in workers:
+        models.setdefault(w.keyspace, w.model)
+    return models
+
+
+async def read_model_streams(r, keys: Keys, tiers: tuple[str, ...], models: dict[str, str]) -> list[dict]:
+    """`read_streams` of each model of `models` (`fleet_models`), each row a dict with its model's name."""
+    from dataclasses import asdict
+
+    return [{**asdict(s), "model": name} for keyspace, name in models.items()
+            for s in await read_streams(r, keys.for_model(keyspace), tiers)]

@@ -22,7 +22,7 @@ from skyline.core import redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.fleet import list_workers
 from skyline.core.keys import Keys
-from skyline.core.queues import read_streams
+from skyline.core.queues import fleet_models, read_model_streams
 from skyline.core.slo_record import attainment, read_minutes
 
 
@@ -36,11 +36,8 @@ async def snapshot(r, cfg: SkylineConfig) -> dict:
     now = time.time()
     workers = await list_workers(r, keys, liveness_s=cfg.gateway.worker_liveness_s)
     # Every model's queues (skyline/core/keys.py): the default model's plain keys, and each live model's.
-    models = {"": next((w.model for w in workers if not w.keyspace), cfg.default_model)}
-    for w in workers:
-        models.setdefault(w.keyspace, w.model)
-    streams = [{**asdict(s), "model": name} for keyspace, name in models.items()
-               for s in await read_streams(r, keys.for_model(keyspace), cfg.tier_names)]
+    models = fleet_models(workers, cfg.default_model)
+    streams = await read_model_streams(r, keys, cfg.tier_names, models)
     minutes = await read_minutes(r, keys, int(now * 1000), max(ATTAINMENT_WINDOWS))
     slo = {f"{w}m": {t: attainment(minutes[-w:], t) for t in (*cfg.tier_names, None)} for w in ATTAINMENT_WINDOWS}
     return {"redis": redisconn.describe(cfg.redis), "time": now, "streams": streams,
