@@ -143,7 +143,7 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
     generation = _GenerationRoutes(cfg, registry, rate_limiter, budgets, metrics, tenants)
     # The Responses API's store in Redis around vLLM's own Responses serving (gateway/responses_api.py).
-    responses_api = ResponsesApi(cfg, front, tenants, rate_limiter, lambda: dispatcher.redis)
+    responses_api = ResponsesApi(cfg, tenants, rate_limiter, lambda: dispatcher.redis)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -156,14 +156,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await generation.serve(request, "responses", request_model("responses"), _responses)
-
-    def _responses(f: Frontend) -> Callable[..., Awaitable[Any]]:
-        if f is not front:  # the store's serving objects are the gateway's own model's (gateway/responses_api.py)
-            raise ApiError(400, "the Responses API serves the gateway's own model only "
-                                f"({own.name!r}); use /v1/chat/completions for the others", param="model",
-                           code="model_not_supported")
-        return responses_api.create
+        # The model the request names serves it: its serving objects, its workers (gateway/responses_api.py).
+        return await generation.serve(request, "responses", request_model("responses"), responses_api.for_model)
 
     responses_api.add_routes(app)  # GET, cancel, DELETE, input_items of stored responses
     lora.add_routes(app, tenants)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter

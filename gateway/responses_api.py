@@ -21,6 +21,13 @@ dicts a per-request staging area of a store in Redis (gateway/response_store.py)
   the record's status, which the follower reads with each renewal.
 Every route answers only about the key's own responses (operator keys: everyone's;
 gateway/tenants.py): another tenant's id is a 404 with the message of a missing one.
+
+Several models through one gateway (gateway/models.py): a request is served by vLLM's Responses
+serving object of the model it names (`create(serving, ...)`), which renders it with that model's
+chat template and queues it for that model's workers; the stored response keeps its `model`, as vLLM
+wrote it. A conversation may go on with another model (`previous_response_id` of a response of
+model A in a request for model B): its stored messages are rendered by B, as the OpenAI API allows.
+A background response is cancelled in the serving object that runs it (`running`).
 """
 
 from __future__ import annotations
@@ -61,22 +68,21 @@ MAX_INPUT_ITEMS_PAGE = 100
 class ResponsesApi:
     """The Responses routes of one gateway; `redis_of()` gives the app's Redis client (None before start-up)."""
 
-    def __init__(self, cfg: SkylineConfig, front: Frontend, tenants: Tenants, rate_limiter: KeyRateLimiter,
+    def __init__(self, cfg: SkylineConfig, tenants: Tenants, rate_limiter: KeyRateLimiter,
                  redis_of: Callable[[], aioredis.Redis | None]):
         g = cfg.gateway
         self.enabled = g.response_store_ttl_s > 0
         self.ttl_s, self.max_bytes = g.response_store_ttl_s, g.response_store_max_bytes
-        self.serving = front.responses
         self.tenants = tenants
         self.rate_limiter = rate_limiter
         self.redis_of = redis_of
         self.keys = Keys(cfg.key_prefix)
         self._store: ResponseStore | None = None
-        self._staged: dict[str, int] = {}  # previous responses put in vLLM's memory -> requests using them
+        # (serving object, previous response) put in vLLM's memory -> requests using it
+        self._staged: dict[tuple[int, str], int] = {}
         self.followers: dict[str, asyncio.Task] = {}  # background responses this gateway runs
+        self.running: dict[str, Any] = {}  # ... and the serving object (the model's) each runs in
         self.closing = False
-        if self.enabled:
-            vllm.enable_response_store(self.serving)
 
     def store(self) -> ResponseStore:
         r = self.redis_of()
@@ -88,7 +94,13 @@ class ResponsesApi:
 
     # ---- POST /v1/responses (vLLM's create, through the generation route) ----------------------
 
-    async def create(self, req: Any, raw: Request) -> Any:
+    def for_model(self, front: Frontend) -> Callable[[Any, Request], Any]:
+        """The create call of the model whose serving objects are `front` (what its route awaits)."""
+        if self.enabled and not front.responses.enable_store:  # vLLM's store on, once per model's objects
+            vllm.enable_response_store(front.responses)
+        return lambda req, raw: self.create(front.responses, req, raw)
+
+    async def create(self, serving: Any, req: Any, raw: Request) -> Any:
         tenant = tenant_of(raw) or ANONYMOUS
         if (req.model_extra or {}).get("conversation") is not None:
             # vLLM's request model lets unknown fields through: without this, the turn would be answered
@@ -97,7 +109,7 @@ class ResponsesApi:
                                 "with `previous_response_id`, or send the whole conversation in `input`",
                            param="conversation")
         if not self.enabled:
-            return await self._without_store(req, raw)
+            return await self._without_store(serving, req, raw)
         if req.background and not req.store:
             raise ApiError(400, "`background: true` needs `store: true` (a background response is read back "
                                 "from the store)", param="background")
@@ -109,7 +121,7 @@ class ResponsesApi:
                 await _redis(self.store().check_room(tenant.owner, self.bound(tenant)))
             except StoreFull as exc:
                 raise self._full(exc) from None
-        staged = prev is not None and self._stage(prev)
+        staged = prev is not None and self._stage(serving, prev)
         background_scope, token = None, None
         if req.background:
             # vLLM runs it in a task that outlives this HTTP request: its fleet request must not
@@ -117,31 +129,31 @@ class ResponsesApi:
             background_scope = _detached(SCOPE.get())
             token = SCOPE.set(background_scope)
         try:
-            result = await self.serving.create_responses(req, raw)
+            result = await serving.create_responses(req, raw)
         except BaseException:
-            vllm.drop_stored(self.serving, req.request_id)
+            vllm.drop_stored(serving, req.request_id)
             raise
         finally:
             if token is not None:
                 SCOPE.reset(token)
             if staged:
-                self._unstage(req.previous_response_id)
+                self._unstage(serving, req.previous_response_id)
         if vllm.is_error_response(result):
-            vllm.drop_stored(self.serving, req.request_id)
+            vllm.drop_stored(serving, req.request_id)
             return result
         if req.background:
             assert background_scope is not None
-            return await self._start_background(req, result, background_scope, tenant)
+            return await self._start_background(serving, req, result, background_scope, tenant)
         if hasattr(result, "__anext__"):
-            return self._stream(req, result, tenant)
+            return self._stream(serving, req, result, tenant)
         try:
             if req.store:
-                await self._keep(req, tenant)
+                await self._keep(serving, req, tenant)
         finally:
-            vllm.drop_stored(self.serving, req.request_id)
+            vllm.drop_stored(serving, req.request_id)
         return result
 
-    async def _without_store(self, req: Any, raw: Request) -> Any:
+    async def _without_store(self, serving: Any, req: Any, raw: Request) -> Any:
         """`[gateway] response_store_ttl_s = 0`: `vllm serve` without its store (`store` ignored)."""
         why = "needs the response store, which is off on this gateway ([gateway] response_store_ttl_s = 0)"
         if req.background:
@@ -149,12 +161,12 @@ class ResponsesApi:
         if req.previous_response_id is not None:
             raise ApiError(400, f"`previous_response_id` {why}; send the whole conversation in `input`",
                            param="previous_response_id")
-        result = await self.serving.create_responses(req, raw)
-        return self._stream(req, result, None) if hasattr(result, "__anext__") else result
+        result = await serving.create_responses(req, raw)
+        return self._stream(serving, req, result, None) if hasattr(result, "__anext__") else result
 
-    async def _keep(self, req: Any, tenant: Tenant) -> None:
+    async def _keep(self, serving: Any, req: Any, tenant: Tenant) -> None:
         """Move what vLLM stored for a finished request to Redis (before the client hears of it)."""
-        response, messages = vllm.take_stored(self.serving, req.request_id)
+        response, messages = vllm.take_stored(serving, req.request_id)
         if response is None:
             return
         body = vllm.response_json(response)
@@ -166,7 +178,7 @@ class ResponsesApi:
         except IdTaken:
             raise _id_taken(req.request_id) from None
 
-    def _stream(self, req: Any, events: Any, tenant: Tenant | None) -> AsyncIterator[str]:
+    def _stream(self, serving: Any, req: Any, events: Any, tenant: Tenant | None) -> AsyncIterator[str]:
         """vLLM's event stream as SSE; stored (`tenant` given and `store: true`) before its last event goes out."""
 
         async def sse() -> AsyncIterator[str]:
@@ -175,38 +187,41 @@ class ResponsesApi:
                     kind = getattr(event, "type", "unknown")
                     if kind == "response.completed" and tenant is not None and req.store:
                         try:
-                            await self._keep(req, tenant)
+                            await self._keep(serving, req, tenant)
                         except ApiError as exc:  # the answer is complete but could not be kept: say so
                             yield _error_event(exc.code, exc.message, exc.param)
                             return
                     yield f"event: {kind}\ndata: {vllm.event_json(event)}\n\n"
             finally:
-                vllm.drop_stored(self.serving, req.request_id)
+                vllm.drop_stored(serving, req.request_id)
 
         return sse()
 
-    def _stage(self, prev: StoredResponse) -> bool:
-        """Put `prev` where vLLM's `previous_response_id` looks; False if vLLM holds it already."""
-        if prev.id not in self._staged and vllm.is_held(self.serving, prev.id):
+    def _stage(self, serving: Any, prev: StoredResponse) -> bool:
+        """Put `prev` where `serving`'s `previous_response_id` looks; False if vLLM holds it already."""
+        key = (id(serving), prev.id)
+        if key not in self._staged and vllm.is_held(serving, prev.id):
             return False
-        if prev.id not in self._staged:
-            vllm.stage_previous(self.serving, prev.response, prev.messages)
-        self._staged[prev.id] = self._staged.get(prev.id, 0) + 1
+        if key not in self._staged:
+            vllm.stage_previous(serving, prev.response, prev.messages)
+        self._staged[key] = self._staged.get(key, 0) + 1
         return True
 
-    def _unstage(self, rid: str) -> None:
-        left = self._staged.get(rid, 0) - 1
+    def _unstage(self, serving: Any, rid: str) -> None:
+        key = (id(serving), rid)
+        left = self._staged.get(key, 0) - 1
         if left > 0:
-            self._staged[rid] = left
+            self._staged[key] = left
             return
-        self._staged.pop(rid, None)
-        vllm.drop_stored(self.serving, rid)
+        self._staged.pop(key, None)
+        vllm.drop_stored(serving, rid)
 
     # ---- background responses ------------------------------------------------------------------
 
-    async def _start_background(self, req: Any, result: Any, scope: RequestScope, tenant: Tenant) -> Any:
+    async def _start_background(self, serving: Any, req: Any, result: Any, scope: RequestScope,
+                                tenant: Tenant) -> Any:
         rid = req.request_id
-        queued, messages = vllm.peek_stored(self.serving, rid)
+        queued, messages = vllm.peek_stored(serving, rid)
         if hasattr(result, "aclose"):  # a stream: read back from Redis below (any gateway can), not from vLLM
             await result.aclose()
         try:
@@ -214,24 +229,30 @@ class ResponsesApi:
                                              input_items(req.input), background=True, stream=bool(req.stream),
                                              limit=self.bound(tenant)))
         except BaseException as exc:
-            await vllm.cancel_background(self.serving, rid)
-            vllm.drop_stored(self.serving, rid)
+            await vllm.cancel_background(serving, rid)
+            vllm.drop_stored(serving, rid)
             if isinstance(exc, StoreFull):
                 raise self._full(exc) from None
             if isinstance(exc, IdTaken):
                 raise _id_taken(rid) from None
             raise
-        task = vllm.background_task(self.serving, rid)
-        follower = asyncio.get_running_loop().create_task(self._follow(rid, task, scope, bool(req.stream),
+        task = vllm.background_task(serving, rid)
+        self.running[rid] = serving
+        follower = asyncio.get_running_loop().create_task(self._follow(serving, rid, task, scope, bool(req.stream),
                                                                        self.bound(tenant)),
                                                           name=f"follow-{rid}")
         self.followers[rid] = follower
-        follower.add_done_callback(lambda _t: self.followers.pop(rid, None))
+
+        def done(_t: asyncio.Task) -> None:
+            self.followers.pop(rid, None)
+            self.running.pop(rid, None)
+
+        follower.add_done_callback(done)
         if req.stream:
             return self._replay(rid, None)
         return queued
 
-    async def _follow(self, rid: str, task: asyncio.Task | None, scope: RequestScope, stream: bool,
+    async def _follow(self, serving: Any, rid: str, task: asyncio.Task | None, scope: RequestScope, stream: bool,
                       limit: int) -> None:
         """Run alongside vLLM's task of one background response until it ended, then store its end."""
         st = self.store()
@@ -240,14 +261,14 @@ class ResponsesApi:
             while task is not None and not task.done():
                 await asyncio.wait({task}, timeout=POLL_S if stream else RENEW_S / 4)
                 if stream:
-                    copied = await self._copy_events(rid, copied)
+                    copied = await self._copy_events(serving, rid, copied)
                 output = any(s.t_first_frame is not None for s in scope.sessions)  # the fleet answered
                 if time.monotonic() - renewed < RENEW_S and not (output and not started):
                     continue
                 renewed = time.monotonic()
                 status = await st.renew(rid)
                 if status is None or status == "cancelled":  # deleted, or cancelled on another gateway
-                    await vllm.cancel_background(self.serving, rid)
+                    await vllm.cancel_background(serving, rid)
                     break
                 if output and not started:
                     started = True
@@ -260,8 +281,8 @@ class ResponsesApi:
                 if not task.cancelled() and task.exception() is not None:  # read: answered below, not logged by asyncio
                     log.info("background response %s failed: %r", rid, task.exception())
             if stream:
-                copied = await self._copy_events(rid, copied)
-            response, messages = vllm.take_stored(self.serving, rid)
+                copied = await self._copy_events(serving, rid, copied)
+            response, messages = vllm.take_stored(serving, rid)
             rec = await st.get(rid)
             if rec is None or not rec.active:
                 return  # deleted or cancelled meanwhile: nothing to write
@@ -279,10 +300,10 @@ class ResponsesApi:
         finally:
             if task is not None and not task.done():
                 task.cancel()
-            vllm.drop_stored(self.serving, rid)
+            vllm.drop_stored(serving, rid)
 
-    async def _copy_events(self, rid: str, copied: int) -> int:
-        events = vllm.stream_events(self.serving, rid)
+    async def _copy_events(self, serving: Any, rid: str, copied: int) -> int:
+        events = vllm.stream_events(serving, rid)
         if events is None or len(events) <= copied:
             return copied
         new = [vllm.event_json(e) for e in list(events)[copied:]]
@@ -316,8 +337,8 @@ class ResponsesApi:
     async def close(self) -> None:
         """Shutting down: the background responses this gateway runs end as failed (they cannot go on)."""
         self.closing = True
-        for rid in list(self.followers):
-            task = vllm.background_task(self.serving, rid)
+        for rid, serving in list(self.running.items()):
+            task = vllm.background_task(serving, rid)
             if task is not None:
                 task.cancel()
         if self.followers:
@@ -346,6 +367,11 @@ class ResponsesApi:
         if rec.stream:
             await st.append_events(rec.id, [_event_json("error", "server_error", why, None, -1)])
         return True
+
+    async def _cancel_here(self, rid: str) -> None:
+        """vLLM's cancel of a background response this gateway runs (in its model's serving object)."""
+        if (serving := self.running.get(rid)) is not None:
+            await vllm.cancel_background(serving, rid)
 
     def _caller(self, request: Request) -> Tenant:
         tenant = self.tenants.authenticate(request)
@@ -396,7 +422,7 @@ class ResponsesApi:
                     raise ApiError(400, f"response {response_id!r} is {rec.status}: only a background response "
                                         "still queued or in progress can be cancelled", param="response_id")
                 body = rec.response
-            await vllm.cancel_background(self.serving, response_id)  # here, at once; elsewhere: its follower
+            await self._cancel_here(response_id)  # here, at once; elsewhere: its follower
             return JSONResponse(body)
 
         @app.delete("/v1/responses/{response_id}")
@@ -405,7 +431,7 @@ class ResponsesApi:
             self._on()
             rec = await self._owned(response_id, tenant)
             await _redis(self.store().delete(rec))
-            await vllm.cancel_background(self.serving, response_id)
+            await self._cancel_here(response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
         @app.get("/v1/responses/{response_id}/input_items")

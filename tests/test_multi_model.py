@@ -290,3 +290,23 @@ def _json(url: str):
 
     with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())
+
+
+def test_the_responses_api_serves_another_model_and_its_stored_responses_keep_it(client):
+    first = client.responses.create(model=B, input="hello", max_output_tokens=8, temperature=0)
+    assert first.model == B and first.output_text
+    assert first.model_extra["skyline"]["decode_worker"] == "elastic-b"  # B's worker, not A's
+    assert client.responses.retrieve(first.id).model == B  # stored with its model
+    # The conversation goes on with B, and (as the API allows) with A: each turn on its own model's workers.
+    second = client.responses.create(model=B, input="and then?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.model == B and second.model_extra["skyline"]["decode_worker"] == "elastic-b"
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn's input and output rendered in
+    third = client.responses.create(model=A, input="and now?", previous_response_id=second.id,
+                                    max_output_tokens=8, temperature=0)
+    assert third.model == A and third.model_extra["skyline"]["decode_worker"] in ("prefill-a", "decode-a")
+    assert client.responses.retrieve(third.id).model == A
+    # Streamed, on B: its events and its stored copy name B.
+    with client.responses.stream(model=B, input="stream it", max_output_tokens=8, temperature=0) as stream:
+        done = stream.get_final_response()
+    assert done.model == B and client.responses.retrieve(done.id).model == B
