@@ -144,14 +144,12 @@ class FleetAdapters:
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request) -> Response:
-            body = _validate(LoadLoRAAdapterRequest, await _operator_body(request, tenants))
-            own = self.pools.own  # an adapter loaded at run time adapts the gateway's own model, as in vllm serve
-            if not self.lora_workers(own.name):
-                raise ApiError(400, f"no live worker of {own.name!r} runs LoRA: start its workers with --enable-lora "
-                                    "(vLLM's engine argument) to serve adapters", type="BadRequestError",
-                               code="lora_not_enabled")
+            raw = await _operator_body(request, tenants)
+            base = raw.pop("base_model_name", None) if isinstance(raw, dict) else None  # Skyline's field: below
+            body = _validate(LoadLoRAAdapterRequest, raw)
+            pool = await self._base_pool(base)
             await self._synced()
-            return answer(await own.front.models.load_lora_adapter(body))
+            return answer(await pool.front.models.load_lora_adapter(body, base_model_name=pool.name))
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:
@@ -163,6 +161,33 @@ class FleetAdapters:
                 await adapters.unregister(self._r(), self.keys, body.lora_name)
                 log.info("LoRA adapter %s unloaded from the fleet", body.lora_name)
             return answer(result)
+
+    async def _base_pool(self, base: Any) -> Any:
+        """The model an adapter loaded at run time adapts. vLLM's request names none (`vllm serve` serves one
+        model); here the body may name it as `base_model_name` (vLLM's own name for an adapter's parent, in
+        its LoRARequest and its load_lora_adapter); without it, the only model whose live workers run LoRA.
+        Several such models and no name: 400 naming them (an adapter is trained for one base model)."""
+        if base is not None:
+            pool = await self.pools.find(base) if isinstance(base, str) and base else None
+            if pool is None or pool.name != base:  # an adapter's name is no base model
+                raise ApiError(404, f"base_model_name {base!r}: no model of that name is served here",
+                               type="NotFoundError", param="base_model_name", code="model_not_found")
+            if not self.lora_workers(pool.name):
+                raise ApiError(400, f"no live worker of {pool.name!r} runs LoRA: start its workers with --enable-lora "
+                                    "(vLLM's engine argument) to serve adapters", type="BadRequestError",
+                               code="lora_not_enabled")
+            return pool
+        running = [p for p in self.pools.listed() if self.lora_workers(p.name)]
+        if not running:
+            own = self.pools.own.name
+            raise ApiError(400, f"no live worker of {own!r} (or of any model) runs LoRA: start its workers with "
+                                "--enable-lora (vLLM's engine argument) to serve adapters", type="BadRequestError",
+                           code="lora_not_enabled")
+        if len(running) > 1:
+            raise ApiError(400, f"the workers of several models run LoRA ({', '.join(repr(p.name) for p in running)}): "
+                                "name the adapter's base model as base_model_name", type="BadRequestError",
+                           param="base_model_name", code="base_model_required")
+        return running[0]
 
     async def _synced(self) -> None:
         try:

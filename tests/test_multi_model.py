@@ -310,3 +310,32 @@ def test_the_responses_api_serves_another_model_and_its_stored_responses_keep_it
     with client.responses.stream(model=B, input="stream it", max_output_tokens=8, temperature=0) as stream:
         done = stream.get_final_response()
     assert done.model == B and client.responses.retrieve(done.id).model == B
+
+
+def test_a_lora_adapter_loaded_at_run_time_names_its_base_model(fleet, client, tmp_path):
+    import httpx
+
+    adapter = tmp_path / "b-sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    gw = httpx.Client(base_url=fleet.url, timeout=30)
+    body = {"lora_name": "b-sql", "lora_path": str(adapter)}
+    # Both models' (sim) workers run LoRA: vLLM's request names no base model, so the load must.
+    unnamed = gw.post("/v1/load_lora_adapter", json=body)
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["code"] == "base_model_required", unnamed.text
+    assert A in unnamed.text and B in unnamed.text
+    unknown = gw.post("/v1/load_lora_adapter", json={**body, "base_model_name": "no-such-model"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "base_model_name", unknown.text
+    loaded = gw.post("/v1/load_lora_adapter", json={**body, "base_model_name": B})
+    assert loaded.status_code == 200, loaded.text
+    try:
+        cards = {m.id: m for m in client.models.list().data}
+        assert cards["b-sql"].model_extra["parent"] == B
+        for _ in range(2):  # the adapter's requests go to its base model's worker, under its base model's series
+            resp = _chat(client, "b-sql")
+            assert resp.model == "b-sql" and resp.model_extra["skyline"]["decode_worker"] == "elastic-b"
+        assert 'skyline_gateway_requests_total{model="sim-b",route=' in gw.get("/metrics").text
+    finally:
+        gone = gw.post("/v1/unload_lora_adapter", json={"lora_name": "b-sql"})
+    assert gone.status_code == 200, gone.text
+    assert "b-sql" not in _listed(client)
