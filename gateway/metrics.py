@@ -8,8 +8,8 @@ attainment is judged by. Every request with a tier ends as `slo_met` or
 `slo_missed` (a refused, failed or abandoned request missed), so
 met / (met + missed) is the attainment `skyline bench` reports.
 
-Every series is a model's (label `model`: the served name of the base model a request named, its
-adapter's for a LoRA request; the default model's too, so one-model dashboards read the same): with
+Every series is a model's (label `model`: the served name of the base model a request named, a LoRA
+request's base model's; the default model's too, so one-model dashboards read the same): with
 several models through one gateway, each has its own queues, latencies, admissions and refusals. A
 request refused before its model was known (401, a body that is not JSON) counts under `model=""`.
 
