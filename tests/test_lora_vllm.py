@@ -1,7 +1,8 @@
 """LoRA adapters with real vLLM engines, against plain `vllm serve --enable-lora --lora-modules`.
 
-An adapter is made at test time from the default model with `peft` (rank 8 on q_proj/v_proj, seeded
-non-zero weights, so it changes the greedy answer; nothing from a hub). Started once for this module,
+An adapter is made at test time from the default model with `peft` (skyline/tools/bench/lora.py
+`make_adapters`, as the LoRA benchmark makes its adapters: rank 8 on q_proj/v_proj, seeded non-zero
+weights, so it changes the greedy answer; nothing from a hub). Started once for this module,
 side by side: a plain vLLM OpenAI server serving it as `sql` (`--enable-lora --lora-modules sql=PATH`),
 and a Skyline fleet (one prefill and one decode worker on real vLLM engines, KV over NIXL) whose workers
 take the same `--enable-lora --lora-modules sql=PATH`. Skyline's greedy answers with the adapter equal
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from skyline.tools.bench.lora import make_adapters
 from tests.fleet import Fleet
 from tests.vllm_reference import reference_server, wait_up
 
@@ -29,29 +31,11 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 
 
-def make_adapter(model_dir: str, out_dir: str) -> str:
-    """A PEFT LoRA adapter of the model at `model_dir`: rank 8 on q_proj and v_proj, seeded weights."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1234)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.1)  # B non-zero, and large enough that the adapter changes the greedy answer
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
     from skyline.tools.model import resolve_model
 
-    return make_adapter(resolve_model("default"), str(tmp_path_factory.mktemp("lora") / "sql"))
+    return make_adapters(resolve_model("default"), [str(tmp_path_factory.mktemp("lora") / "sql")])[0]
 
 
 @pytest.fixture(scope="module")

@@ -24,21 +24,31 @@ QUICK = {
 
 # Systems run when --systems is not given, per workload (names as in skyline.tools.bench.systems).
 DEFAULT_SYSTEMS = {"mixed": "vllm-fcfs,vllm-priority,skyline-colocated,skyline-disagg",
-                   "multiturn": "vllm-rr,skyline-affinity,skyline-no-affinity"}
+                   "multiturn": "vllm-rr,skyline-affinity,skyline-no-affinity",
+                   "lora": "vllm-lora-rr,skyline-lora-blind,skyline-lora-aware"}
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     # Names spelled out (not imported from skyline.tools.bench.systems) so building the CLI parser stays cheap.
     p.add_argument("--systems",
                    help="comma-separated, run in this order; the first is the SLO baseline (default: "
-                        f"{DEFAULT_SYSTEMS['mixed']}; with --workload multiturn: {DEFAULT_SYSTEMS['multiturn']}). "
+                        f"{DEFAULT_SYSTEMS['mixed']}; with --workload multiturn: {DEFAULT_SYSTEMS['multiturn']}; "
+                        f"with --workload lora: {DEFAULT_SYSTEMS['lora']}). "
                         "Known: vllm-fcfs, vllm-priority, skyline-colocated, skyline-disagg, vllm-rr, skyline-affinity, "
                         "skyline-no-affinity, skyline-disagg-affinity, skyline-disagg-no-affinity, sim-colocated, "
                         "sim-disagg, sim-affinity, sim-no-affinity, sim-disagg-affinity, sim-disagg-no-affinity, "
-                        "skyline-elastic, sim-elastic")
-    p.add_argument("--workload", default="mixed", choices=["mixed", "multiturn"],
+                        "skyline-elastic, sim-elastic, vllm-lora-rr, skyline-lora-blind, skyline-lora-aware, "
+                        "sim-lora-blind, sim-lora-aware")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "multiturn", "lora"],
                    help="mixed: independent chat and RAG requests (default); multiturn: conversations of several "
-                        "turns and RAG questions over shared documents, one system prompt (prefix-cache reuse)")
+                        "turns and RAG questions over shared documents, one system prompt (prefix-cache reuse); "
+                        "lora: the mixed requests, each naming one of --adapters LoRA adapters (Zipf popularity)")
+    p.add_argument("--adapters", type=int, default=8,
+                   help="lora: adapters made at run time from the default model (peft), named by the requests; "
+                        "default 8")
+    p.add_argument("--zipf", type=float, default=1.0,
+                   help="lora: the adapters' Zipf exponent (the i-th most popular has weight 1/i^s; 0 = uniform); "
+                        "default 1")
     p.add_argument("--engines", type=int, default=2,
                    help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, and their "
                         "sim- twins), one core each; default 2 (the disagg systems are always 1 prefill + 1 decode)")

@@ -56,6 +56,7 @@ class BenchRecord:
     oracle_cached_tokens: int | None = None  # what one infinite cache would have served (oracle.py)
     session: int = -1  # the multi-turn workload's session and turn (skyline.tools.bench.multiturn)
     turn: int = 0
+    adapter: str = ""  # the LoRA adapter it named (the lora workload); "" = the base model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +79,7 @@ def build_record(system: str, rate: float, req: BenchRequest, sent_s: float, rec
     """Join what was sent with what came back; `rec` None means cancelled at the drain deadline."""
     out = BenchRecord(system, rate, req.index, req.cls, req.tier, req.prompt_tokens, req.max_tokens, req.send_at,
                       sent_s=sent_s, ttft_target_ms=targets_ms[0], tpot_target_ms=targets_ms[1],
-                      session=req.session, turn=req.turn)
+                      session=req.session, turn=req.turn, adapter=req.adapter)
     if rec is None:
         out.outcome, out.error = "cancelled", "still running at the drain deadline"
         return out

@@ -68,6 +68,7 @@ def markdown(results: dict) -> str:
     unit = "sessions/s" if results["config"]["workload"].get("kind") == "multiturn" else "req/s"
     caches = any(_known(run["summary"].get("prefix_cache", {}).get(k)) for run in results["runs"]
                  for k in ("hit_rate", "oracle_hit_rate"))
+    loads = any("adapters" in run["summary"] for run in results["runs"])  # the lora workload
     lines += [
         "",
         "## Results per system and rate",
@@ -75,9 +76,10 @@ def markdown(results: dict) -> str:
         f"| system | rate ({unit}) | sent | ok | 429 | err | cancelled | SLO attain | "
         + " | ".join(f"{t} attain" for t in tier_names)
         + " | TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p99 (ms) | E2E p50/p99 (ms)"
-        " | out tok/s | total tok/s | req/s |" + (" prefix-cache hit | oracle hit | of oracle |" if caches else ""),
+        " | out tok/s | total tok/s | req/s |" + (" prefix-cache hit | oracle hit | of oracle |" if caches else "")
+        + (" adapter loads | loads/min |" if loads else ""),
         "|---|---|---|---|---|---|---|---|" + "---|" * len(tier_names) + "---|---|---|---|---|---|---|"
-        + ("---|---|---|" if caches else ""),
+        + ("---|---|---|" if caches else "") + ("---|---|" if loads else ""),
     ]
     for run in results["runs"]:
         s = run["summary"]
@@ -86,12 +88,14 @@ def markdown(results: dict) -> str:
         pc = s.get("prefix_cache", {})
         cache_cells = (f" {_pct(pc.get('hit_rate'))} | {_pct(pc.get('oracle_hit_rate'))} | "
                        f"{_pct(pc.get('of_oracle'))} |") if caches else ""
+        ad = s.get("adapters", {})
+        load_cells = f" {ad.get('loads', '-')} | {_f(ad.get('loads_per_min'), 1)} |" if loads else ""
         lines.append(
             f"| {run['system']} | {run['rate']:g} | {s['sent']} | {s['ok']} | {s['rejected']} | {s['error']} | "
             f"{s['cancelled']} | {_pct(s['attainment'])} | {tier_cells} | "
             f"{_f(t['p50'])} / {_f(t['p90'])} / {_f(t['p99'])} | {_f(p['p50'])} / {_f(p['p90'])} / {_f(p['p99'])} | "
             f"{_f(i['p50'])} / {_f(i['p99'])} | {_f(e['p50'])} / {_f(e['p99'])} | {_f(s['output_throughput'], 1)} | "
-            f"{_f(s['total_token_throughput'], 1)} | {_f(s['request_throughput'], 2)} |{cache_cells}"
+            f"{_f(s['total_token_throughput'], 1)} | {_f(s['request_throughput'], 2)} |{cache_cells}{load_cells}"
         )
     lines += _oracle_lines(results)
     lines += _route_lines(results)
@@ -166,11 +170,15 @@ def _workload_line(cfg: dict) -> str:
     if w.get("kind") == "multiturn":
         return _multiturn_line(cfg, arrival)
     n = f"{cfg['num_requests']} requests" if cfg.get("num_requests") else f"{cfg['duration_s']:g} s"
+    lora = w.get("lora") if w.get("kind") == "lora" else None
+    adapters = (f" Each request names one of {lora['adapters']} LoRA adapters as its model (Zipf popularity, "
+                f"s = {lora['zipf']:g}); adapter loads are opens of the adapters' weight files (real engines) or "
+                "what the workers advertise (sim engines).") if lora else ""
     return (f"{w['mix']:.0%} chat ({w['chat_prompt'][0]}-{w['chat_prompt'][1]} prompt tokens, "
             f"{w['chat_output'][0]}-{w['chat_output'][1]} output, tier {w['chat_tier']}) / "
             f"{1 - w['mix']:.0%} RAG ({w['rag_prompt'][0]}-{w['rag_prompt'][1]} prompt tokens, "
             f"{w['rag_output'][0]}-{w['rag_output'][1]} output, tier {w['rag_tier']}); {arrival} arrivals, "
-            f"seed {w['seed']}; {n} per rate, drain limit {cfg['drain_s']:g} s; rates {cfg['rates']} req/s.")
+            f"seed {w['seed']}; {n} per rate, drain limit {cfg['drain_s']:g} s; rates {cfg['rates']} req/s.{adapters}")
 
 
 def _multiturn_line(cfg: dict, arrival: str) -> str:

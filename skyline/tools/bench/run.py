@@ -8,7 +8,8 @@ to itself):
      to be derived: the unloaded probe (requests one at a time), giving the
      per-class targets used for every system (and sent to Skyline as headers);
   4. for each rate: the open-loop run (--workload multiturn: open-loop sessions of closed-loop
-     turns, then the oracle's prefix-cache hits for what was sent); then the next rate;
+     turns, then the oracle's prefix-cache hits for what was sent; --workload lora: the adapter
+     loads the system made meanwhile); then the next rate;
   5. stop it.
 A system that fails to start or crashes is reported as failed and the
 sweep goes on with the next one.
@@ -25,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +34,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from skyline.tools.bench import driver, engine_steps, metrics, report
+from skyline.tools.bench import driver, engine_steps, lora, metrics, report
 from skyline.tools.bench.multiturn import MultiturnSpec, make_sessions, turn_request
 from skyline.tools.bench.options import DEFAULT_SYSTEMS, parse_per_class, parse_range, preset
 from skyline.tools.bench.oracle import oracle_cached_tokens
@@ -81,12 +83,20 @@ class Bench:
         self.multiturn = MultiturnSpec(turns=parse_range(getattr(args, "turns", "3-5")),
                                        think_s=getattr(args, "think_s", 1.5), rag_docs=getattr(args, "rag_docs", 3),
                                        max_prompt_tokens=getattr(args, "max_prompt_tokens", 1800))
+        self.lora = lora.LoraSpec(getattr(args, "adapters", 8), getattr(args, "zipf", 1.0))
+        self._adapters: dict[str, list[tuple[str, str]]] = {}  # engine kind -> the adapters made for it
         self.explicit_ttft, self.explicit_tpot = parse_per_class(args.slo_ttft_ms), parse_per_class(args.slo_tpot_ms)
         if args.endpoint:
             self.systems = [SystemSpec("endpoint", "endpoint", args.endpoint_flavor)]
         else:
             self.systems = self._systems(args.systems or DEFAULT_SYSTEMS[self.workload_kind],
                                          getattr(args, "engines", None), getattr(args, "block_size", 0))
+        if self.workload_kind == "lora" and self.lora.adapters < 1:
+            raise SystemExit(f"--adapters must be at least 1, got {self.lora.adapters}")
+        mismatched = [s.name for s in self.systems if s.kind != "endpoint" and s.lora != (self.workload_kind == "lora")]
+        if mismatched:  # a LoRA system serves the lora workload's adapters, and only it names them
+            raise SystemExit(f"system(s) {', '.join(mismatched)} do not run the {self.workload_kind} workload: "
+                             "the lora workload takes the *-lora-* systems, and they take only it")
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out = Path(args.out or f"bench-results/{stamp}")
         self.targets: SloTargets | None = None
@@ -128,6 +138,26 @@ class Bench:
                 self._builders[kind] = PromptBuilder(load_tokenizer("vllm", resolve_model(kind)))
         return self._builders[kind]
 
+    def adapted(self, requests: list, stream: str) -> list:
+        """The lora workload: each request naming an adapter (the others' unchanged)."""
+        return lora.assign(requests, self.lora, self.workload.seed, stream) if self.workload_kind == "lora" else requests
+
+    def adapters_for(self, spec: SystemSpec) -> list[tuple[str, str]]:
+        """The adapters a LoRA system serves, made once per engine kind, under <out>/adapters/."""
+        if not spec.lora:
+            return []
+        if spec.engine not in self._adapters:
+            self._adapters[spec.engine] = lora.write_adapters(self.out / "adapters", self.lora, spec.engine)
+        return self._adapters[spec.engine]
+
+    def load_counter(self, spec: SystemSpec, running) -> tuple[Callable[[], int], Callable[[], None]]:
+        """(the adapter loads a LoRA system made so far, what to call when done): opens of the adapters'
+        weights for real engines, what its workers advertise for sim engines (skyline.tools.bench.lora)."""
+        if spec.engine == "sim":
+            return lambda: lora.fleet_loads(running.redis_url, running.key_prefix), lambda: None
+        opens = lora.WeightOpens([path for _name, path in running.adapters])
+        return opens.read, opens.close
+
     def n_for(self, rate: float) -> int:
         return requests_for(rate, self.duration_s, self.num_requests)
 
@@ -140,7 +170,7 @@ class Bench:
         t0 = time.monotonic()
         bar.write(f"[{spec.name}] starting ...")
         running = start(spec, self.out / "logs", self.args.start_timeout, self.args.endpoint or "",
-                        self.args.model or "", self.skyline_config)
+                        self.args.model or "", self.skyline_config, self.adapters_for(spec))
         info = {"status": "ok", "startup_s": round(time.monotonic() - t0, 1), "url": running.url,
                 "model": running.model}
         bar.write(f"[{spec.name}] ready in {info['startup_s']} s at {running.url}")
@@ -152,7 +182,7 @@ class Bench:
             self._warm_up(spec, running, builder)
             if self.targets is None:
                 bar.write(f"[{spec.name}] unloaded probe: {self.probe_n} requests per class, one at a time")
-                probing = probe_requests(self.workload, builder, self.probe_n)
+                probing = self.adapted(probe_requests(self.workload, builder, self.probe_n), "probe")
                 probe = asyncio.run(driver.run_sequential(target, probing))
                 self._seen(builder, probing)
                 probe_out.extend(r.to_dict() for r in probe)
@@ -160,17 +190,23 @@ class Bench:
                                               self.explicit_tpot)
                 bar.write(f"[{spec.name}] SLO targets: TTFT {self.targets.ttft_ms} ms, TPOT {self.targets.tpot_ms} ms")
             block_size = cache_block_size(spec, self.args.tokenizer)  # the oracle's unit: the engine's block
+            loads, done_counting = self.load_counter(spec, running) if spec.lora else (None, lambda: None)
             for rate in self.rates:
                 bar.set_postfix_str(f"{spec.name} @ {rate:g} req/s")
                 running.check_alive()
                 if self.workload_kind == "multiturn":
                     recs, duration = self._run_sessions(target, builder, rate, block_size, bar)
                 else:
-                    reqs = make_requests(self.workload, builder, self.n_for(rate), rate)
+                    reqs = self.adapted(make_requests(self.workload, builder, self.n_for(rate), rate), f"{rate:g}")
                     progress = lambda _r: bar.update(1)
+                    before = loads() if loads else 0
                     recs, duration = asyncio.run(driver.run_rate(target, rate, reqs, self.drain_s, progress))
                 running.check_alive()  # a crash mid-run would otherwise look like a slow server
                 summary = metrics.summarize(recs, duration)
+                if loads:
+                    made = loads() - before
+                    summary["adapters"] = {"loads": made, "loads_per_min": made / duration * 60 if duration else None,
+                                           "counted": "workers" if spec.engine == "sim" else "weight-file opens"}
                 if self.workload_kind == "multiturn":
                     summary["prefix_cache"]["block_size"] = block_size
                 summary["send_lag_ms_max"] = max((r.sent_s - r.send_at) * 1000 for r in recs)  # load-generator health
@@ -178,7 +214,8 @@ class Bench:
                 records.extend(r.to_dict() for r in recs)
                 bar.write(f"[{spec.name}] {rate:g} req/s: {summary['ok']}/{summary['sent']} ok, "
                           f"{summary['rejected']} rejected, attainment {summary['attainment']:.0%}"
-                          + _cache_line(summary["prefix_cache"]))
+                          + _cache_line(summary["prefix_cache"]) + _loads_line(summary.get("adapters")))
+            done_counting()
             if running.redis_url:
                 self._engine_steps(spec, running, info, bar)
         finally:
@@ -230,7 +267,7 @@ class Bench:
 
     def _warm_up(self, spec: SystemSpec, running, builder: PromptBuilder) -> None:
         """One RAG and (warmup - 1) chat requests, one at a time, not measured."""
-        warm = probe_requests(self.workload, builder, 1, stream="warmup")
+        warm = self.adapted(probe_requests(self.workload, builder, 1, stream="warmup"), "warmup")
         warm = [r for r in warm if r.cls == "rag"] + [r for r in warm if r.cls == "chat"] * max(1, self.warmup_n - 1)
         # No SLO targets in warm-up (the tier's defaults apply): it must not be shed, only run.
         untargeted = driver.Target(spec.name, running.url, running.model, spec.flavor, lambda _c: NO_TARGET)
@@ -274,6 +311,8 @@ class Bench:
         """The workload as results.json keeps it; the mixed one exactly as before (merge compares them)."""
         if self.workload_kind == "mixed":
             return asdict(self.workload)
+        if self.workload_kind == "lora":
+            return {**asdict(self.workload), "kind": "lora", "lora": asdict(self.lora)}
         return {**asdict(self.workload), "kind": self.workload_kind, "multiturn": asdict(self.multiturn)}
 
     def profile_argv(self, path: Path) -> list[str]:
@@ -329,6 +368,14 @@ def _cache_line(pc: dict) -> str:
         return ""
     oracle = pc["oracle_hit_rate"]
     return f", prefix cache {pc['hit_rate']:.0%}" + ("" if math.isnan(oracle) else f" (oracle {oracle:.0%})")
+
+
+def _loads_line(adapters: dict | None) -> str:
+    """', 12 adapter loads (3.1/min)' for the progress line of the lora workload."""
+    if not adapters:
+        return ""
+    per_min = adapters["loads_per_min"]
+    return f", {adapters['loads']} adapter loads" + (f" ({per_min:.1f}/min)" if per_min is not None else "")
 
 
 def main(args: argparse.Namespace) -> None:

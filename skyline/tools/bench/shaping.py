@@ -30,7 +30,7 @@ def shape(flavor: str, req: BenchRequest, model: str, targets_ms: tuple[float, f
     when the gateway predicts the request's tier cannot be met.
     """
     body = {
-        "model": model,
+        "model": req.adapter or model,
         "messages": list(req.messages) or [{"role": "user", "content": req.content}],
         "max_tokens": req.max_tokens,
         "temperature": 0.0,

@@ -12,7 +12,12 @@ between ways of using the same hardware:
   skyline-no-affinity  the same with [gateway] prefix_affinity = false
   skyline-disagg-affinity     skyline-disagg (1 prefill + 1 decode worker) for the multi-turn workload
   skyline-disagg-no-affinity  the same with [gateway] prefix_affinity = false
-  sim-colocated / sim-disagg / sim-affinity / sim-no-affinity / sim-disagg-affinity / sim-disagg-no-affinity
+  vllm-lora-rr       vllm-rr's N servers, each `--enable-lora --max-loras 2 --lora-modules` the workload's adapters
+  skyline-lora-aware N colocated decode workers with --enable-lora --max-loras 2, the adapters loaded through
+                     the gateway; adapter-aware placement on (the default)
+  skyline-lora-blind the same with [gateway] adapter_affinity = false
+  sim-colocated / sim-disagg / sim-affinity / sim-no-affinity / sim-disagg-affinity / sim-disagg-no-affinity /
+  sim-lora-aware / sim-lora-blind
                      the Skyline fleets on the `sim` engine (tests)
   endpoint           an already running OpenAI-compatible server (--endpoint)
 The N-engine systems (N = `engines`, the bench's --engines) compare N prefix caches placed by
@@ -34,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from skyline.core.net import free_port
+from skyline.tools.bench import lora
 from skyline.tools.bench.config_file import with_changes
 from skyline.tools.redis_server import start_redis
 
@@ -57,6 +63,8 @@ class SystemSpec:
     affinity: bool = True  # skyline fleets: [gateway] prefix_affinity
     block_size: int = 0  # vLLM engines' KV block (--block-size, [engine.vllm] block-size); 0 = vLLM's default
     elastic: int = 0  # skyline fleets: elastic workers instead of prefill + decode pools (one core each)
+    lora: bool = False  # engines with LoRA serving the workload's adapters (skyline.tools.bench.lora)
+    adapter_affinity: bool = True  # skyline fleets: [gateway] adapter_affinity (adapter-aware placement)
 
 
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
@@ -84,6 +92,15 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     # Two elastic workers, one core each: every engine takes either phase (scheduler/elastic.py).
     SystemSpec("skyline-elastic", "skyline", "skyline", mode="disagg", elastic=DEFAULT_ENGINES),
     SystemSpec("sim-elastic", "skyline", "skyline", engine="sim", mode="disagg", elastic=DEFAULT_ENGINES),
+    # The multi-LoRA workload: N engines, one core each, MAX_LORAS adapter slots each.
+    SystemSpec("vllm-lora-rr", "vllm", "plain", engines=DEFAULT_ENGINES, lora=True),
+    SystemSpec("skyline-lora-aware", "skyline", "skyline", mode="colocated", engines=DEFAULT_ENGINES, lora=True),
+    SystemSpec("skyline-lora-blind", "skyline", "skyline", mode="colocated", engines=DEFAULT_ENGINES, lora=True,
+               adapter_affinity=False),
+    SystemSpec("sim-lora-aware", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES,
+               lora=True),
+    SystemSpec("sim-lora-blind", "skyline", "skyline", engine="sim", mode="colocated", engines=DEFAULT_ENGINES,
+               lora=True, adapter_affinity=False),
 )}
 DEFAULT_SYSTEMS = ("vllm-fcfs", "vllm-priority", "skyline-colocated", "skyline-disagg")
 
@@ -120,6 +137,7 @@ class Running:
     logs: list[Path] = field(default_factory=list)
     config: str = ""  # TOML file a Skyline system's processes start with ("" = defaults)
     redis_url: str = ""  # a Skyline system's own Redis
+    adapters: list[tuple[str, str]] = field(default_factory=list)  # LoRA systems: (name, path) served
     key_prefix: str = "skyline"  # ... and the prefix of its keys (from its config)
 
     def stop(self) -> None:
@@ -171,9 +189,10 @@ def _wait(run: Running, ready, timeout_s: float) -> None:
 
 
 def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str = "", model: str = "",
-          config: str = "") -> Running:
+          config: str = "", adapters: list[tuple[str, str]] | None = None) -> Running:
     """Start `spec` and return once it serves requests (or raise, having stopped what it started);
-    a Skyline system's gateway and workers read `config` (a TOML file) when given."""
+    a Skyline system's gateway and workers read `config` (a TOML file) when given; a LoRA system serves
+    `adapters` ((name, path) each)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if spec.kind == "endpoint":
         url = endpoint.rstrip("/").removesuffix("/v1")
@@ -181,7 +200,7 @@ def start(spec: SystemSpec, log_dir: Path, timeout_s: float = 600, endpoint: str
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         return Running(spec, url, model)
     starter = _start_vllm if spec.kind == "vllm" else _start_skyline
-    run = Running(spec, "", "", config=config)
+    run = Running(spec, "", "", config=config, adapters=list(adapters or []) if spec.lora else [])
     try:
         starter(run, log_dir, timeout_s)
     except BaseException:
@@ -229,6 +248,8 @@ def _spawn_vllm(run: Running, name: str, cores: str, log_dir: Path) -> str:
             "--enable-prompt-tokens-details"]
     if run.spec.block_size:
         argv += ["--block-size", str(run.spec.block_size)]
+    if run.adapters:  # as vllm serve serves adapters from its start
+        argv += [*lora.engine_flags(), "--lora-modules", *(f"{name}={path}" for name, path in run.adapters)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cores,
            # The CPU fix Skyline's own engines get (engine_processes.py: queue readers that sleep instead of
            # spinning through every step): the baseline gets it too, so the ratios measure the serving layer.
@@ -252,6 +273,10 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
         changes["gateway"] = {"prefix_affinity": False}
     if spec.block_size:  # set on vLLM-engine systems only (Bench._systems)
         changes["engine"] = {"vllm": {"block-size": spec.block_size}}
+    if spec.lora:
+        changes.setdefault("gateway", {})["adapter_affinity"] = spec.adapter_affinity
+        if spec.engine == "sim":
+            changes.setdefault("engine", {})["sim_max_loras"] = lora.MAX_LORAS
     if changes:
         run.config = with_changes(run.config, changes, Path(run.tmp.name) / "skyline.toml")
     common = ["--redis-url", run.redis_url, "--engine", spec.engine]
@@ -264,9 +289,13 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
     # N decode workers (engines > 1) = one core each.
     cfg = load_config(run.config or None, {"engine": {"kind": spec.engine}, "gateway": {"mode": spec.mode}})
     run.key_prefix = cfg.key_prefix
-    plan = plan_workers(cfg, 0, 0, n_elastic=spec.elastic) if spec.elastic else plan_workers(cfg, 1, spec.engines)
+    # Free metrics ports (0), not `skyline up`'s fixed ones: the bench reads each worker's from its heartbeat,
+    # and a fixed port collides with any other fleet on the host (two test runs at once: "address in use").
+    plan = (plan_workers(cfg, 0, 0, 0, n_elastic=spec.elastic) if spec.elastic
+            else plan_workers(cfg, 1, spec.engines, 0))
+    engine_lora = lora.engine_flags() if spec.lora and spec.engine == "vllm" else []
     for name, extra in plan:
-        _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:]], log_dir)
+        _spawn(run, name, [*cli, "worker", extra[0], *common, *extra[1:], *engine_lora], log_dir)
     _spawn(run, "gateway", [*cli, "gateway", *common, "--port", str(gport), "--mode", spec.mode], log_dir)
     # stop() signals in list order: workers were added first, so they drain before the gateway goes.
     run.url = f"http://127.0.0.1:{gport}"
@@ -279,3 +308,7 @@ def _start_skyline(run: Running, log_dir: Path, timeout_s: float) -> None:
 
     _wait(run, ready, timeout_s)
     run.model = httpx.get(f"{run.url}/v1/models", timeout=5).json()["data"][0]["id"]
+    for name, path in run.adapters:  # fleet-wide, through the gateway (no API keys here: anyone may load)
+        loaded = httpx.post(f"{run.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=60)
+        if loaded.status_code != 200:
+            raise RuntimeError(f"{spec.name}: loading adapter {name} from {path}: {loaded.status_code} {loaded.text}")

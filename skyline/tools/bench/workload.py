@@ -56,6 +56,7 @@ class BenchRequest:
     messages: tuple[dict, ...] = ()
     session: int = -1
     turn: int = 0
+    adapter: str = ""  # the LoRA adapter it names as its model (skyline.tools.bench.lora); "" = the base model
 
 
 class Builder(Protocol):
