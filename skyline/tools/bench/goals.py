@@ -13,6 +13,10 @@ system whose name starts with `vllm-`; the others are the contenders.
 - the SLO issue's goal, at the first swept rate where the baseline's
   attainment drops below 90%: the contender's interactive attainment
   (goal >= 95%) and output tok/s against the baseline's there (>= 0.9x).
+
+The multi-LoRA workload (`--workload lora`) has its own goals instead (issue 34), at every rate, for
+each adapter-aware system: the fewest adapter loads and the highest SLO attainment of the run's
+systems, at no less than 0.95x plain vLLM's output tok/s.
 """
 
 from __future__ import annotations
@@ -134,6 +138,34 @@ def _knee_goals(results: dict, system: str, baseline: str, tier: str) -> list[Go
     return out
 
 
+def _lora_goals(results: dict, system: str, others: list[str], vllm: list[str]) -> list[Goal]:
+    """The multi-LoRA goals of an adapter-aware system at each rate (the module docstring)."""
+    out = []
+    for rate in _rates(results, system):
+        mine = _rate_summary(results, system, rate)
+        theirs = {o: s for o in others if (s := _rate_summary(results, o, rate)) is not None}
+        at = f"at {rate:g} req/s"
+        loads = {o: s.get("adapters", {}).get("loads") for o, s in theirs.items()}
+        mine_loads = mine.get("adapters", {}).get("loads")
+        if mine_loads is None or not loads or None in loads.values():
+            out.append(Goal(f"fewest adapter loads {at}", system, None, "fewest", None, "loads not counted"))
+        else:
+            least = min(loads.values())
+            out.append(Goal(f"fewest adapter loads {at}", system, mine_loads / least if least else None, "fewest",
+                            mine_loads <= least, f"{mine_loads} vs " + ", ".join(f"{o} {n}" for o, n in loads.items())))
+        best = max((s["attainment"] for s in theirs.values()), default=None)
+        out.append(Goal(f"highest SLO attainment {at}", system, mine["attainment"], ">= the others' %",
+                        None if best is None else mine["attainment"] >= best,
+                        ", ".join(f"{o} {s['attainment']:.0%}" for o, s in theirs.items()) or "no other system"))
+        plain = next((_rate_summary(results, v, rate) for v in vllm if _rate_summary(results, v, rate)), None)
+        ratio = mine["output_throughput"] / plain["output_throughput"] if plain and plain["output_throughput"] else None
+        out.append(Goal(f"output tok/s vs plain vLLM {at}", system, ratio, ">= 0.95x",
+                        None if ratio is None else ratio >= 0.95,
+                        f"{mine['output_throughput']:.1f} vs {plain['output_throughput']:.1f} tok/s" if plain
+                        else "no plain vLLM in the run"))
+    return out
+
+
 def goals(results: dict) -> list[Goal]:
     """Every goal for every contender (non-vLLM system) of the run."""
     systems = [s for s in results["config"]["systems"] if any(run["system"] == s for run in results["runs"])]
@@ -141,6 +173,10 @@ def goals(results: dict) -> list[Goal]:
         return []
     baseline = systems[0]
     vllm = [s for s in systems if s.startswith("vllm-")] or [baseline]
+    if results["config"]["workload"].get("kind") == "lora":
+        return [g for s in systems if s.endswith("-lora-aware")
+                for g in _lora_goals(results, s, [o for o in systems if o != s],
+                                     [v for v in systems if v.startswith("vllm-")])]
     tier = results["config"]["workload"]["chat_tier"]
     out: list[Goal] = []
     for system in systems:

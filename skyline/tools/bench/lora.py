@@ -78,7 +78,7 @@ def make_adapters(model_dir: str, out_dirs: list[str], seed: int = 1234) -> list
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=ADAPTER_RANK, lora_alpha=2 * ADAPTER_RANK,
                                             target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                                             init_lora_weights=False))
