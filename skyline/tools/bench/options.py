@@ -50,8 +50,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="lora: the adapters' Zipf exponent (the i-th most popular has weight 1/i^s; 0 = uniform); "
                         "default 1")
     p.add_argument("--engines", type=int, default=2,
-                   help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, and their "
-                        "sim- twins), one core each; default 2 (the disagg systems are always 1 prefill + 1 decode)")
+                   help="engines of the N-engine systems (vllm-rr, skyline-affinity, skyline-no-affinity, the *-lora-* "
+                        "systems, and their sim- twins), one core each; default 2 (the disagg systems are always 1 "
+                        "prefill + 1 decode)")
     p.add_argument("--block-size", type=int, default=0,
                    help="KV block (tokens) of every vLLM engine, the baselines' and Skyline's alike: the prefix "
                         "cache's unit; default 0 = vLLM's (128 on CPU)")
