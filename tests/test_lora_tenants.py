@@ -52,7 +52,7 @@ def fleet(redis_url, key_prefix, tmp_path):
     f.start_gateway()
     f.start("decode-1", ["worker", "decode", *f._common(), "--worker-id", "decode-1"], env={"HOME": str(home)})
     try:
-        f.wait_ready({"decode": 1}, 60)
+        f.wait_ready({"decode": 1}, 120)  # a busy machine starts the processes slowly
         yield f
     finally:
         f.stop_all()
