@@ -75,6 +75,8 @@ async def dashboard_data(r: Any, fleet: Any, cfg: SkylineConfig, keys: Keys, now
         "workers": [{**asdict(w), "heartbeat_age_s": round(now_s - w.last_seen, 1)} for w in workers],
         "max_running": cfg.worker.max_running,
         "attainment_5m": {"all": attainment(last5), **{t: attainment(last5, t) for t in cfg.tier_names}},
+        # Each model's, over all tiers (the page shows them once there are several).
+        "attainment_5m_by_model": {name: attainment(last5, None, name) for name in sorted(set(models.values()))},
         "minutes": per_minute,
         "slowest": [{**asdict(o), "timeline": f"/v1/requests/{o.id}/timeline"}
                     for o in slowest(recent, SLOWEST, now_ms - WINDOW_MINUTES * 60_000)],

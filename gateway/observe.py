@@ -104,7 +104,7 @@ class GatewayObserver:
         self.timeline.emit(req.request_id, "failed", status=exc.status, reason=exc.code or exc.type)
         self.metrics.verdict(tier, False, req.model)
         outcome = Outcome(req.request_id, tier, int(now_ms()), exc.status, False, route=prep.route,
-                          prompt_tokens=len(req.prompt_token_ids))
+                          prompt_tokens=len(req.prompt_token_ids), model=req.model)
         if self.slo is not None:
             self.slo.add(outcome, in_recent=False)  # refusals are counted, not listed: overload would flood the list
 
@@ -143,7 +143,8 @@ class GatewayObserver:
             rid, tier, int(now_ms()), status if fin is None else 200, met,
             ttft_met=ttft is not None and ttft * 1000 <= slo.ttft_ms,
             ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=round(e2e_ms, 1), route=prep.route,
-            prompt_tokens=len(prep.request.prompt_token_ids), completion_tokens=fin.completion_tokens if fin else 0)
+            prompt_tokens=len(prep.request.prompt_token_ids), completion_tokens=fin.completion_tokens if fin else 0,
+            model=prep.request.model)
         if self.slo is not None:
             self.slo.add(outcome)
 

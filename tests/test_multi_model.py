@@ -147,10 +147,14 @@ def test_skyline_status_shows_each_models_queues_and_workers(fleet):
     rows = {(s["model"], s["stage"], s["tier"]): s for s in snap["streams"]}
     assert rows[(B, "prefill", "standard")]["length"] >= 3  # B's requests, on B's stream
     assert {w["worker_id"]: w["model"] for w in snap["workers"]} == {"prefill-a": A, "decode-a": A, "elastic-b": B}
+    # Each model's SLO attainment beside the fleet's: its own requests' verdicts, which add up to the fleet's.
+    by_model = {m: w["15m"]["all"]["done"] for m, w in snap["slo_attainment_by_model"].items()}
+    assert by_model[A] >= 3 and by_model[B] >= 3 and by_model["sim-c"] == 3, by_model  # sim-c: gone, still counted
+    assert sum(by_model.values()) == snap["slo_attainment"]["15m"]["all"]["done"]
     text = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--once",
                            "--redis-url", fleet.redis_url, "--key-prefix", fleet.key_prefix],
                           capture_output=True, text=True, timeout=60, check=True).stdout
-    assert f"{B}/prefill:standard" in text and f"{B}/elastic-b" in text
+    assert f"{B}/prefill:standard" in text and f"{B}/elastic-b" in text and f"model {B}" in text
 
 
 def test_the_default_model_keeps_the_plain_keys_and_another_gets_its_own():
@@ -204,7 +208,7 @@ def test_skyline_up_starts_every_model_of_the_config_behind_one_gateway(redis_ur
     term = Terminal(["--config", str(tmp_path / "fleet.toml"), "--elastic", "1", "--redis-url", redis_url,
                      "--key-prefix", key_prefix, "--port", str(port), "--metrics-port-base", "0"], tmp_path)
     try:
-        term.wait_for("Skyline is up", timeout_s=120)
+        term.wait_for("Skyline is up", timeout_s=300)  # a loaded host: a gateway's imports alone took 80 s
         out = "".join(term.lines)
         assert f"{B}-elastic-0 | ready" in out and "elastic-0 | ready" in out
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30)
@@ -283,6 +287,7 @@ def test_metrics_and_the_dashboard_show_each_models_series(fleet, client):
     assert set(dash["models"]) == {A, B}
     assert {(s["model"], s["stage"]) for s in dash["streams"]} >= {(A, "prefill"), (B, "prefill"), (B, "decode")}
     assert {w["worker_id"]: w["model"] for w in dash["workers"]}["elastic-b"] == B
+    assert dash["attainment_5m_by_model"][B]["done"] >= 1 and dash["attainment_5m_by_model"][A]["done"] >= 1
 
 
 def _json(url: str):

@@ -3,7 +3,9 @@
 Every gateway adds each answered request to two places (one pipelined,
 best-effort write, see `PipelineBatcher`):
   - `Keys.slo_minute(m)`: HINCRBY `<tier>:done`, `<tier>:met`, `<tier>:ttft_met`,
-    `<tier>:errors` — attainment per minute and tier, summed over gateways;
+    `<tier>:errors` — attainment per minute and tier, summed over gateways — and the same
+    per model, `m:<model>:<tier>:<verdict>` (the served name of the request's base model; with
+    several models through one gateway, each one's attainment);
   - `Keys.recent`: a capped list of `Outcome`s (latencies, verdict), newest first,
     for percentiles and the slowest requests.
 Attainment follows `skyline.tools.bench.metrics`: met / all answered requests of the tier,
@@ -21,6 +23,7 @@ from skyline.core.keys import Keys
 from skyline.core.stats import percentile
 
 VERDICT_FIELDS = ("done", "met", "ttft_met", "errors")
+MODEL_FIELD = "m:"  # a model's counters: m:<model>:<tier>:<verdict> (a model's name may hold ':', a tier's not)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Outcome:
     route: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    model: str = ""  # the served name of its base model ("": not known, e.g. an outcome written before)
 
     @property
     def ok(self) -> bool:
@@ -66,9 +70,10 @@ class SloRecorder:
         if not self._counts and not self._entries:
             self.batcher.add(self._write)
         key = self.keys.slo_minute(minute_of(o.t_ms))
+        prefixes = (f"{o.tier}:", f"{MODEL_FIELD}{o.model}:{o.tier}:") if o.model else (f"{o.tier}:",)
         for name, n in (("done", 1), ("met", o.slo_met), ("ttft_met", o.ttft_met), ("errors", not o.ok)):
-            if n:
-                self._counts[(key, f"{o.tier}:{name}")] = self._counts.get((key, f"{o.tier}:{name}"), 0) + int(n)
+            for prefix in prefixes if n else ():
+                self._counts[(key, prefix + name)] = self._counts.get((key, prefix + name), 0) + int(n)
         if in_recent:
             self._entries.append(json.dumps(asdict(o), separators=(",", ":")))
 
@@ -86,7 +91,8 @@ class SloRecorder:
 
 
 async def read_minutes(r: Any, keys: Keys, now_ms: int, minutes: int) -> list[dict]:
-    """[{minute, tiers: {tier: {done, met, ttft_met, errors}}}] for the last `minutes`, oldest first."""
+    """[{minute, tiers: {tier: {done, met, ttft_met, errors}}, models: {model: {tier: {...}}}}] for the last
+    `minutes`, oldest first."""
     last = minute_of(now_ms)
     first = last - minutes + 1
     pipe = r.pipeline(transaction=False)
@@ -95,11 +101,17 @@ async def read_minutes(r: Any, keys: Keys, now_ms: int, minutes: int) -> list[di
     out = []
     for m, raw in zip(range(first, last + 1), await pipe.execute()):
         tiers: dict[str, dict[str, int]] = {}
+        models: dict[str, dict[str, dict[str, int]]] = {}
         for k, v in (raw or {}).items():
             tier, _, name = _s(k).rpartition(":")
-            if name in VERDICT_FIELDS:
-                tiers.setdefault(tier, dict.fromkeys(VERDICT_FIELDS, 0))[name] = int(v)
-        out.append({"minute": m, "tiers": tiers})
+            if name not in VERDICT_FIELDS:
+                continue
+            into = tiers
+            if tier.startswith(MODEL_FIELD):
+                model, _, tier = tier[len(MODEL_FIELD):].rpartition(":")
+                into = models.setdefault(model, {})
+            into.setdefault(tier, dict.fromkeys(VERDICT_FIELDS, 0))[name] = int(v)
+        out.append({"minute": m, "tiers": tiers, "models": models})
     return out
 
 
@@ -113,11 +125,12 @@ async def read_recent(r: Any, keys: Keys, n: int) -> list[Outcome]:
     return out
 
 
-def attainment(minutes: list[dict], tier: str | None = None) -> dict:
-    """Totals over `minutes` (one tier, or all): {done, met, ttft_met, errors, attainment}."""
+def attainment(minutes: list[dict], tier: str | None = None, model: str | None = None) -> dict:
+    """Totals over `minutes` (one tier, or all; one model's, or the fleet's): {done, met, ttft_met, errors,
+    attainment}."""
     tot = dict.fromkeys(VERDICT_FIELDS, 0)
     for m in minutes:
-        for t, counts in m["tiers"].items():
+        for t, counts in (m["tiers"] if model is None else m.get("models", {}).get(model, {})).items():
             if tier is None or t == tier:
                 for k in VERDICT_FIELDS:
                     tot[k] += counts.get(k, 0)

@@ -40,11 +40,17 @@ async def snapshot(r, cfg: SkylineConfig) -> dict:
     streams = await read_model_streams(r, keys, cfg.tier_names, models)
     minutes = await read_minutes(r, keys, int(now * 1000), max(ATTAINMENT_WINDOWS))
     slo = {f"{w}m": {t: attainment(minutes[-w:], t) for t in (*cfg.tier_names, None)} for w in ATTAINMENT_WINDOWS}
+    # Each model's own, once the fleet serves or served several in the window (its requests' verdicts, all
+    # tiers and by tier; a model whose workers left keeps its record): they add up to the fleet's.
+    named = sorted({*models.values(), *(name for m in minutes for name in m["models"])})
+    by_model = {name: {f"{w}m": {t or "all": attainment(minutes[-w:], t, name) for t in (*cfg.tier_names, None)}
+                       for w in ATTAINMENT_WINDOWS} for name in named} if len(named) > 1 else {}
     return {"redis": redisconn.describe(cfg.redis), "time": now, "streams": streams,
             "models": {name: {"keyspace": keyspace, "workers": sum(w.keyspace == keyspace for w in workers)}
                        for keyspace, name in models.items()},
             "workers": [asdict(w) for w in workers], "max_running": cfg.worker.max_running,
-            "slo_attainment": {w: {t or "all": a for t, a in by_tier.items()} for w, by_tier in slo.items()}}
+            "slo_attainment": {w: {t or "all": a for t, a in by_tier.items()} for w, by_tier in slo.items()},
+            "slo_attainment_by_model": by_model}
 
 
 async def collect(cfg: SkylineConfig) -> dict:
@@ -72,6 +78,9 @@ def render(snap: dict) -> str:
         for tier in snap["slo_attainment"][windows[0]]:
             lines.append(f"  {tier:<28}" + "".join(f"{_attained(snap['slo_attainment'][w][tier]):<23}"
                                                   for w in windows))
+        for model, by_window in snap.get("slo_attainment_by_model", {}).items():  # all tiers, per model
+            lines.append(f"  {('model ' + model)[:28]:<28}" + "".join(f"{_attained(by_window[w]['all']):<23}"
+                                                                     for w in windows))
         lines.append("")
     lines.append(f"{'STREAM':<28} {'waiting':>8} {'claimed':>8} {'backlog tokens':>15} {'length':>9} "
                  f"{'consumers':>10}")
