@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 
 import pytest
@@ -36,3 +37,13 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed and hasattr(fleet, "all_logs"):
         report.sections.append(("fleet logs (tails)", fleet.all_logs()))
     return report
+
+
+@pytest.fixture(autouse=True)
+def _no_skyline_up_outlives_its_test():
+    """A test that starts `skyline up` (tests/test_skyline_up.py Terminal) and fails before stopping it
+    leaves no fleet behind."""
+    yield
+    up = sys.modules.get("tests.test_skyline_up")
+    if up is not None:
+        up.Terminal.kill_leftovers()

@@ -40,6 +40,8 @@ def _cmdlines() -> list[str]:
 class Terminal:
     """What `skyline up` prints, read as it comes (stdout is a pipe here: no spinner, whole lines)."""
 
+    started: list[Terminal] = []  # every one started, so that none outlives its test (kill_leftovers)
+
     def __init__(self, args: list[str], home: Path, **env: str):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "skyline.cli", "up", "--engine", "sim", *args],
@@ -49,6 +51,21 @@ class Terminal:
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read)
         self.reader.start()
+        Terminal.started.append(self)
+
+    @classmethod
+    def kill_leftovers(cls) -> None:
+        """SIGKILL the process group of every `skyline up` still running: a test that failed or timed out
+        before its Ctrl-C left a whole fleet behind (its own session, parent 1), on the cores of every
+        later test."""
+        for term in cls.started:
+            if term.proc.poll() is None:
+                try:
+                    os.killpg(term.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                term.proc.wait(timeout=30)
+        cls.started.clear()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -189,7 +206,7 @@ def test_up_verbose_relays_every_line_and_a_failed_start_shows_its_log(tmp_path)
     # A process that dies while starting: its last lines and its log's path on the terminal, the fleet stopped.
     term = Terminal(["--port", str(free_port()), "--redis-port", str(free_port()), "--metrics-port-base", "0"],
                     tmp_path, SKYLINE_ADVERTISE_HOST="0.0.0.0")  # workers refuse a bind-all address at start
-    assert term.proc.wait(timeout=60) == 1
+    assert term.proc.wait(timeout=180) == 1  # a loaded host: the imports alone can take a minute
     term.reader.join(timeout=10)
     out = "".join(term.lines)
     assert "Skyline is up" not in out
@@ -290,7 +307,7 @@ def test_a_taken_port_is_named_with_its_holder_before_anything_starts(tmp_path):
         redis_port = free_port()
         t0 = time.monotonic()
         term = Terminal(["--port", str(port), "--redis-port", str(redis_port), "--metrics-port-base", "0"], tmp_path)
-        assert term.proc.wait(timeout=60) == 1
+        assert term.proc.wait(timeout=180) == 1  # a loaded host: the imports alone can take a minute
         term.reader.join(timeout=10)
         took = time.monotonic() - t0
     out = "".join(term.lines)
