@@ -156,10 +156,11 @@ def test_engine_core_process_sleeps_while_its_engine_computes(fleet, client):
 def _engine_steps(redis_url) -> dict[tuple[str, str, str], float]:
     """(worker role, step kind, count|sum) -> value, from every worker's /metrics."""
     import json
-    import re
     import subprocess
     import sys
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     out = subprocess.run([sys.executable, "-m", "skyline.cli", "status", "--redis-url", redis_url,
                           "--key-prefix", "e2e-vllm", "--once", "--json"], capture_output=True, text=True,
@@ -167,9 +168,11 @@ def _engine_steps(redis_url) -> dict[tuple[str, str, str], float]:
     steps = {}
     for w in json.loads(out.stdout)["workers"]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10).read().decode()
-        pattern = r'^skyline_worker_engine_step_seconds_(count|sum)\{kind="(\w+)"\} (\S+)$'
-        for what, kind, value in re.findall(pattern, text, re.MULTILINE):
-            steps[(w["role"], kind, what)] = float(value)
+        for family in text_string_to_metric_families(text):  # the series carry the worker's model too
+            for sample in family.samples:
+                what = sample.name.removeprefix("skyline_worker_engine_step_seconds_")
+                if what in ("count", "sum") and what != sample.name:
+                    steps[(w["role"], sample.labels["kind"], what)] = sample.value
     return steps
 
 
@@ -307,7 +310,11 @@ async def test_a_kv_pull_that_fails_is_computed_on_the_decode_worker(fleet, clie
     worker = next(w for w in await list_workers(r, keys, 10) if w.worker_id == "decode-0")
     with urllib.request.urlopen(f"http://{worker.address}:{worker.metrics_port}/metrics", timeout=5) as resp:
         metrics = resp.read().decode()
-    assert 'skyline_worker_pd_fallbacks_total{reason="kv_pull_failed"} 1.0' in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fallbacks = [s for f in text_string_to_metric_families(metrics) for s in f.samples
+                 if s.name == "skyline_worker_pd_fallbacks_total" and s.labels.get("reason") == "kv_pull_failed"]
+    assert [s.value for s in fallbacks] == [1.0], fallbacks
     await pubsub.aclose()
     await r.aclose()
 
