@@ -59,14 +59,16 @@ SCHEDULER = Internal(
     "vllm.v1.core.sched.scheduler", "Scheduler",
     "as the base of the step-shaping scheduler, which sets the step budget and holds prompts out of "
     "`running` for one schedule()",
-    params=("vllm_config",), fields=("running", "waiting", "max_num_scheduled_tokens", "scheduler_config"))
+    params=("vllm_config",),
+    fields=("running", "waiting", "max_num_scheduled_tokens", "scheduler_config", "lora_config"))
 SCHEDULER_SCHEDULE = Internal(
     SCHEDULER.module, "Scheduler.schedule", SCHEDULER.used_for,
-    source=("self.running", "self.max_num_scheduled_tokens", "long_prefill_token_threshold"))
+    source=("self.running", "self.max_num_scheduled_tokens", "long_prefill_token_threshold",
+            "self.lora_config.max_loras", "lora_request.lora_int_id"))
 ASYNC_SCHEDULER = Internal("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", SCHEDULER.used_for)
 SCHEDULED_REQUEST = Internal(
     "vllm.v1.request", "Request", "for what the step-shaping scheduler reads of each request it holds",
-    fields=("num_prompt_tokens", "num_computed_tokens", "priority", "status", "sampling_params"))
+    fields=("num_prompt_tokens", "num_computed_tokens", "priority", "status", "sampling_params", "lora_request"))
 WAITING_FOR_REMOTE_KVS = Internal(
     "vllm.v1.request", "RequestStatus.WAITING_FOR_REMOTE_KVS",
     "to leave out of the step shape a request that waits for its KV from a prefill engine")
@@ -256,16 +258,43 @@ def decodes_first(scheduler: Any) -> None:
 
 def hold_out_of_running(scheduler: Any, held: list[Any]) -> Callable[[], None]:
     """Take `held` out of the running list (vLLM then neither gives them tokens nor sees them as
-    running; they keep their blocks); returns what puts them back in front of the list."""
+    running; they keep their blocks and their LoRA slots); returns what puts them back in front of the list.
+
+    vLLM admits a waiting request with a new adapter only while the adapters of the step's scheduled
+    running requests are fewer than `max_loras`, and asserts at the next step that the running ones'
+    adapters fit. A held request's adapter is not among the scheduled: without the slots it keeps
+    taken out of `max_loras` for this step, vLLM admits one adapter too many and its engine core dies
+    at the next step's assertion (seen: three adapters on two slots in the LoRA benchmark)."""
     if not held:
         return lambda: None
     ids = {id(r) for r in held}
     scheduler.running = [r for r in scheduler.running if id(r) not in ids]
+    lora_config = scheduler.lora_config
+    kept = _adapter_ids(held) - _adapter_ids(scheduler.running) if lora_config is not None else set()
+    if kept:
+        scheduler.lora_config = _FewerLoraSlots(lora_config, max(0, lora_config.max_loras - len(kept)))
 
     def put_back() -> None:
         scheduler.running[:0] = held
+        scheduler.lora_config = lora_config
 
     return put_back
+
+
+def _adapter_ids(requests: list[Any]) -> set[int]:
+    return {r.lora_request.lora_int_id for r in requests if r.lora_request and r.lora_request.lora_int_id > 0}
+
+
+class _FewerLoraSlots:
+    """vLLM's LoRA config as the scheduler reads it for one schedule(): fewer slots, the rest as it is
+    (a stand-in, not a copy: the config validates `max_loras >= 1`, and all slots may be held)."""
+
+    def __init__(self, config: Any, max_loras: int):
+        self._config = config
+        self.max_loras = max_loras
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
 
 
 # ---- the engine in the worker's process --------------------------------------------------------
