@@ -13,7 +13,7 @@ from skyline.core.stats import percentile
 from skyline.tools.bench.metrics import format_goodput, goodput, summarize
 from skyline.tools.bench.record import BenchRecord, build_record
 from skyline.tools.bench.shaping import shape
-from skyline.tools.bench.slo import derive_targets
+from skyline.tools.bench.slo import SloTargets, derive_targets, fleet_tiers
 from skyline.tools.bench.verdict import tpot
 from skyline.tools.bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, class_sequence, make_requests
 
@@ -133,6 +133,25 @@ def test_slo_targets_are_a_multiple_of_unloaded_medians():
     assert t.ttft_ms == {"chat": 1000, "rag": 10000}
     assert t.tpot_ms == {"chat": 500, "rag": 999.0}  # explicit wins
     assert "5x" in t.source and "vllm-fcfs" in t.source
+
+
+def test_a_fleet_under_test_has_its_tiers_set_to_the_targets_it_is_judged_against(tmp_path):
+    from skyline.core.config import load_config
+    from skyline.scheduler.tiers import Tier
+    from skyline.tools.bench.config_file import with_changes
+
+    targets = SloTargets({"chat": 2917.4, "rag": 52874}, {"chat": 483, "rag": 549}, "derived")
+    tiers = fleet_tiers(load_config(None).tiers, targets, WorkloadSpec().tier_of)
+    # Looser than the defaults (1,000 / 5,000 ms) and the tiers' other settings kept.
+    assert tiers["interactive"] == {"ttft_ms": 2917, "tpot_ms": 483, "priority": 0, "drop_late_ms": 9000}
+    assert tiers["standard"] == {"ttft_ms": 52874, "tpot_ms": 549, "priority": 1, "drop_late_ms": 55000}
+    assert tiers["batch"] == {"ttft_ms": 60000, "tpot_ms": 2000, "priority": 2, "drop_late_ms": -1}
+    written = load_config(with_changes("", {"tiers": tiers}, tmp_path / "skyline.toml"))  # as the fleet reads it
+    assert [(t.name, t.ttft_ms) for t in written.tiers] == [("interactive", 2917), ("standard", 52874),
+                                                            ("batch", 60000)]
+    # Two classes in one tier: the stricter targets of the two.
+    both = fleet_tiers((Tier("standard", 5000, 500, 1),), targets, lambda cls: "standard")
+    assert both["standard"]["ttft_ms"] == 2917 and both["standard"]["tpot_ms"] == 483
 
 
 # -- workload and request shaping -------------------------------------------------------------

@@ -6,7 +6,8 @@ to itself):
   2. warm-up requests, not measured (first requests pay one-off costs);
   3. on the first system that starts (the baseline), if any SLO target is
      to be derived: the unloaded probe (requests one at a time), giving the
-     per-class targets used for every system (and sent to Skyline as headers);
+     per-class targets used for every system (sent to Skyline as headers; a Skyline system
+     started after them has its tiers set to them: `config_for`);
   4. for each rate: the open-loop run (--workload multiturn: open-loop sessions of closed-loop
      turns, then the oracle's prefix-cache hits for what was sent; --workload lora: the adapter
      loads the system made meanwhile); then the next rate;
@@ -34,12 +35,14 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
+from skyline.core.config import load_config
 from skyline.tools.bench import driver, engine_steps, lora, metrics, report
+from skyline.tools.bench.config_file import with_changes
 from skyline.tools.bench.multiturn import MultiturnSpec, make_sessions, turn_request
 from skyline.tools.bench.options import DEFAULT_SYSTEMS, parse_per_class, parse_range, preset
 from skyline.tools.bench.oracle import oracle_cached_tokens
 from skyline.tools.bench.prompts import PromptBuilder
-from skyline.tools.bench.slo import SloTargets, derive_targets, explicit_targets
+from skyline.tools.bench.slo import SloTargets, derive_targets, explicit_targets, fleet_tiers
 from skyline.tools.bench.systems import SYSTEMS, SystemSpec, cache_block_size, engine_cores, start
 from skyline.tools.bench.workload import CLASSES, WorkloadSpec, make_requests, probe_requests, requests_for
 
@@ -161,6 +164,17 @@ class Bench:
     def n_for(self, rate: float) -> int:
         return requests_for(rate, self.duration_s, self.num_requests)
 
+    def config_for(self, spec: SystemSpec) -> str:
+        """The config file a Skyline system's processes read: the user's (--skyline-config), with the tiers
+        the workload's classes are sent in set to the benchmark's targets once they are known (measured on
+        an earlier system or given): the fleet schedules and admits for what it is judged against."""
+        if spec.kind != "skyline" or self.targets is None:
+            return self.skyline_config
+        tiers = fleet_tiers(load_config(self.skyline_config or None).tiers, self.targets, self.workload.tier_of)
+        path = self.out / "logs" / f"{spec.name}-skyline.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return with_changes(self.skyline_config, {"tiers": tiers}, path)
+
     def _targets_of(self, cls: str) -> tuple[float, float]:
         return self.targets.for_class(cls) if self.targets else NO_TARGET
 
@@ -170,7 +184,7 @@ class Bench:
         t0 = time.monotonic()
         bar.write(f"[{spec.name}] starting ...")
         running = start(spec, self.out / "logs", self.args.start_timeout, self.args.endpoint or "",
-                        self.args.model or "", self.skyline_config, self.adapters_for(spec))
+                        self.args.model or "", self.config_for(spec), self.adapters_for(spec))
         info = {"status": "ok", "startup_s": round(time.monotonic() - t0, 1), "url": running.url,
                 "model": running.model}
         bar.write(f"[{spec.name}] ready in {info['startup_s']} s at {running.url}")

@@ -8,9 +8,12 @@ median TTFT and median TPOT per class, and multiply by the scale. A scale of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 from skyline.core.stats import percentile
+from skyline.scheduler.tiers import Tier
 from skyline.tools.bench.record import BenchRecord
 
 
@@ -59,3 +62,25 @@ def derive_targets(probe: list[BenchRecord], scale: float, baseline: str, explic
 
 def explicit_targets(ttft: dict[str, float], tpot: dict[str, float]) -> SloTargets:
     return SloTargets(dict(ttft), dict(tpot), "explicit options (--slo-ttft-ms / --slo-tpot-ms)")
+
+
+def fleet_tiers(tiers: tuple[Tier, ...], targets: SloTargets, tier_of: Callable[[str], str]) -> dict[str, dict]:
+    """The `[tiers]` a Skyline fleet under test is configured with: `tiers` (its config's), each tier a
+    class is sent in carrying that class's targets (the strictest, when several classes share a tier).
+
+    A request's headers may only tighten its tier's targets (skyline.scheduler.tiers.resolve_slo): with
+    the tier's defaults stricter than the benchmark's targets, the gateway would refuse (429) requests
+    it predicts late for the tier but that would have met the targets they are judged against."""
+    ttft: dict[str, float] = {}
+    tpot: dict[str, float] = {}
+    for cls, value in targets.ttft_ms.items():
+        tier = tier_of(cls)
+        ttft[tier] = min(ttft.get(tier, math.inf), value)
+        tpot[tier] = min(tpot.get(tier, math.inf), targets.tpot_ms[cls])
+    out = {}
+    for t in tiers:
+        values = {k: v for k, v in asdict(t).items() if k != "name"}
+        if t.name in ttft:
+            values.update(ttft_ms=max(1, round(ttft[t.name])), tpot_ms=max(1, round(tpot[t.name])))
+        out[t.name] = values
+    return out
