@@ -241,8 +241,10 @@ def batch_router(cfg: SkylineConfig, redis_of: Callable[[], aioredis.Redis | Non
             holder["inner"] = httpx.AsyncClient(transport=httpx.ASGITransport(app=request.app, raise_app_exceptions=False),
                                                 base_url="http://skyline-gateway", timeout=None)
         headers = {"x-slo-tier": bc.tier}
-        if auth := request.headers.get("authorization"):
-            headers["authorization"] = auth
+        # The runner's credentials, and its batch span's trace context: the line's request joins its trace.
+        for name in ("authorization", "traceparent", "tracestate"):
+            if value := request.headers.get(name):
+                headers[name] = value
         resp = await holder["inner"].post(url, json=body, headers=headers)
         try:
             answer = resp.json()

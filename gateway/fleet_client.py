@@ -118,7 +118,8 @@ class FleetClient:
                        priority: int = 0, session_id: str | None = None, kv_hints: Any = None,
                        data_parallel_rank: int | None = None, trace_headers: Any = None,
                        **_parser_state: Any) -> AsyncGenerator[Any, None]:
-        # trace_headers: vLLM drops them too unless OTLP tracing is configured, which a gateway is not.
+        # trace_headers: the client's W3C trace context (vLLM's serving layer passes it when the request
+        # has one): the parent of this request's trace, when this gateway exports traces (skyline/core/tracing.py).
         # _parser_state (reasoning_ended, reasoning_parser_kwargs): what an engine needs to start a
         # grammar only after the reasoning ends; not carried (see _refuse_engine_extras). The
         # parsers themselves run here, in the gateway.
@@ -141,6 +142,7 @@ class FleetClient:
                     lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)))
             # The token budget, in this process: before anything touches Redis (gateway/ratelimit.py).
             spent = self.dispatcher.budgets.admit(tenant.owner, tenant.tokens_per_minute, len(ids))
+            prep = self.dispatcher.observer.traced(prep, trace_headers)  # ended by the observer's refused/closed
             try:
                 session = await self._submit(scope, prep, request_id)
             except BaseException:

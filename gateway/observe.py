@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -28,6 +28,8 @@ from skyline.core.keys import Keys
 from skyline.core.streams import Placement
 from skyline.core.slo_record import Outcome, SloRecorder
 from skyline.core.timeline import Timeline, now_ms, phase_durations, read_timeline, requester_of
+from skyline.core.tracing import RequestTraces
+from skyline.core.tracing import setup as setup_tracing
 from skyline.gateway.errors import ApiError
 from skyline.gateway.metrics import GatewayMetrics
 from skyline.gateway.prepare import Prepared
@@ -37,6 +39,8 @@ log = logging.getLogger("skyline.gateway")
 
 # Admission's refusals by error code, as the `admitted` event's decision.
 _REFUSAL_DECISION = {"slo_unattainable": "reject", "overloaded": "overloaded"}
+# The OpenTelemetry GenAI operation name of each kind of request (gen_ai.operation.name).
+_OPERATION = {"chat": "chat", "completion": "text_completion", "responses": "chat"}
 
 
 def gateway_id() -> str:
@@ -52,6 +56,7 @@ class GatewayObserver:
         self.who = who or gateway_id()
         self.timeline: Timeline | None = None
         self.slo: SloRecorder | None = None
+        self.traces: RequestTraces | None = None  # with --otlp-traces-endpoint
 
     def start(self, r: Any) -> None:
         """Bind to the app's Redis client (at start-up)."""
@@ -59,6 +64,9 @@ class GatewayObserver:
         self.timeline = Timeline(r, self.keys, self.who, o.timeline_ttl_s, o.timeline_max_events,
                                  enabled=o.timeline, log_events=o.log_events)
         self.slo = SloRecorder(self.timeline.batcher, self.keys, o.slo_window_minutes, o.recent_requests)
+        tracer = setup_tracing(o.otlp_traces_endpoint, "skyline-gateway", {"skyline.process": self.who})
+        if tracer is not None:
+            self.traces = self.timeline.traces = RequestTraces(tracer, self.who)
         self.metrics.watch_timeline(lambda: self.timeline.errors if self.timeline else 0)
 
     async def close(self) -> None:
@@ -66,6 +74,37 @@ class GatewayObserver:
             await self.timeline.flush()
 
     # ---- events -------------------------------------------------------------------
+
+    def traced(self, prep: Prepared, client_context: Any) -> Prepared:
+        """Before it is enqueued: open the request's root span (a child of the client's trace context,
+        `client_context`: its traceparent headers) and let the request carry its context to the workers."""
+        if self.traces is None:
+            return prep
+        req = prep.request
+        try:
+            carrier = self.traces.start(
+                req.request_id, f"{_OPERATION.get(prep.kind, prep.kind)} {req.model}", req.arrival_ms,
+                client_context, {"gen_ai.operation.name": _OPERATION.get(prep.kind, prep.kind),
+                                 "gen_ai.system": "vllm", "gen_ai.request.model": req.model,
+                                 "gen_ai.request.max_tokens": req.sampling.max_tokens,
+                                 "gen_ai.request.temperature": req.sampling.temperature,
+                                 "gen_ai.request.top_p": req.sampling.top_p,
+                                 "gen_ai.response.id": req.request_id,
+                                 "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+                                 "skyline.tier": req.tier, "skyline.route": prep.route, "skyline.stream": prep.stream,
+                                 "skyline.adapter": req.adapter.name if req.adapter else None})
+        except Exception:  # noqa: BLE001 - observability must never fail a request
+            log.exception("starting the trace of %s failed", req.request_id)
+            return prep
+        return replace(prep, request=replace(req, trace=carrier))
+
+    def _end_trace(self, request_id: str, attributes: dict[str, Any], error: str | None) -> None:
+        if self.traces is None:
+            return
+        try:
+            self.traces.end(request_id, now_ms(), attributes, error)
+        except Exception:  # noqa: BLE001 - observability must never fail a request
+            log.exception("ending the trace of %s failed", request_id)
 
     def _arrival(self, prep: Prepared, request: Request) -> None:
         tl, req = self.timeline, prep.request
@@ -102,6 +141,8 @@ class GatewayObserver:
         if exc.code in _REFUSAL_DECISION:
             self.timeline.emit(req.request_id, "admitted", decision=_REFUSAL_DECISION[exc.code], tier=tier)
         self.timeline.emit(req.request_id, "failed", status=exc.status, reason=exc.code or exc.type)
+        self._end_trace(req.request_id, {"http.response.status_code": exc.status, "skyline.slo_met": False},
+                        exc.code or exc.type)
         self.metrics.verdict(tier, False, req.model)
         outcome = Outcome(req.request_id, tier, int(now_ms()), exc.status, False, route=prep.route,
                           prompt_tokens=len(req.prompt_token_ids), model=req.model)
@@ -138,6 +179,13 @@ class GatewayObserver:
         tpot_ms = None if tpot is None else round(tpot * 1000, 2)
         tl.emit(rid, "responded", status=status, ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=round(e2e_ms, 1),
                 slo_met=met)
+        error = None if fin is not None else (session.cancel_reason or (
+            (session.failure.code or session.failure.message[:80]) if session.failure else "no_output"))
+        self._end_trace(rid, {"http.response.status_code": status, "skyline.ttft_ms": ttft_ms,
+                              "skyline.tpot_ms": tpot_ms, "skyline.slo_met": met, "skyline.tier": tier,
+                              "gen_ai.usage.output_tokens": fin.completion_tokens if fin else None,
+                              "gen_ai.response.finish_reasons": (fin.finish_reason,) if fin and fin.finish_reason
+                              else None}, error)
         self.metrics.verdict(tier, met, prep.request.model)
         outcome = Outcome(
             rid, tier, int(now_ms()), status if fin is None else 200, met,

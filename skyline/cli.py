@@ -36,6 +36,10 @@ def _common(p: argparse.ArgumentParser, model_flags: bool = True) -> None:
     p.add_argument("--log-level", default=envs.LOG_LEVEL.get())
     p.add_argument("--log-format", choices=["text", "json"],
                    help="text (default) or json: one object per line, request events with request_id and worker")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export OpenTelemetry traces of every request over OTLP to URL (vLLM's flag; gRPC, or "
+                        "HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); a vLLM worker's engine "
+                        "gets it too. docs/operations.md \"Traces\"")
 
 
 ENGINE_ARGS = """\
@@ -251,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
                     "min_remote_prefill_tokens": g("min_remote_prefill_tokens"),
                     "enable_auto_tool_choice": g("enable_auto_tool_choice"), "tool_call_parser": g("tool_call_parser"),
                     "reasoning_parser": g("reasoning_parser"), "chat_template": g("chat_template")},
-        "observability": {"log_format": g("log_format")},
+        "observability": {"log_format": g("log_format"), "otlp_traces_endpoint": g("otlp_traces_endpoint")},
     }
     cfg = load_config(g("config") or envs.CONFIG.get() or None, overrides)
     from dataclasses import replace

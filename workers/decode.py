@@ -258,7 +258,7 @@ class DecodeHandler:
         sent, on a migration), the KV handle to pull or None to prefill here, and
         why the prompt is prefilled here when a handle existed."""
         req = work.request
-        ereq = engine_request(req)
+        ereq = engine_request(req, observe.trace_headers(self.port, req))
         if run.output:
             ereq.prompt_token_ids = list(req.prompt_token_ids) + run.output
             ereq.sampling = replace(req.sampling, max_tokens=req.sampling.max_tokens - len(run.output),

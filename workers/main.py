@@ -13,9 +13,11 @@ from skyline.workers.engines.base import Engine
 log = logging.getLogger("skyline.worker")
 
 
-def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, role: str = "decode") -> Engine:
+def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, role: str = "decode",
+                 otlp_traces_endpoint: str = "") -> Engine:
     """The engine named in config; an unknown kind is an error, never a fallback.
-    `urgent_priority`: the strictest tier's engine priority (its prompts get full steps)."""
+    `urgent_priority`: the strictest tier's engine priority (its prompts get full steps);
+    `otlp_traces_endpoint`: where a vLLM engine exports its own spans (the worker's, skyline/core/tracing.py)."""
     if ec.kind == "sim":
         from skyline.workers.engines.sim import SimEngine, SimTiming
 
@@ -36,6 +38,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
             hold_background_steps=ec.hold_background_steps, relaxed_step_tokens=ec.best_effort_step_tokens,
             urgent_priority=urgent_priority, cache_events=ec.prefix_cache_events, engine_args=given,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         )
     raise ValueError(f"unknown engine {ec.kind!r}: expected 'vllm' or 'sim'")
 
@@ -51,7 +54,7 @@ async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> No
     if moves_kv and not cfg.engine.nixl_port:
         cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=free_port()))
     engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers),
-                          role=cfg.worker.role)
+                          role=cfg.worker.role, otlp_traces_endpoint=cfg.observability.otlp_traces_endpoint)
     rt = WorkerRuntime(cfg, engine, model_name, model_path)
     handlers = {"prefill": PrefillHandler, "decode": DecodeHandler}
     handler = {stage: handlers[stage](rt.port) for stage in rt.stages}

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from skyline.core import messages
+from skyline.core import messages, tracing
 from skyline.core.streams import now_ms
 from skyline.core.timeline import Timeline
 from skyline.core.timeline import TimelineErrors
@@ -144,6 +144,12 @@ def attach(rt: Any) -> tuple[Timeline, WorkerMetrics]:
     timeline.listeners.append(metrics.on_event)
     metrics.watch_timeline(timeline)
     rt.engine.on_step = metrics.engine_stepped  # engines that time their steps (vLLM) report each one
+    # A vLLM engine given the same endpoint (build_engine) sets the process's tracer provider when it
+    # starts: the worker's spans go out with its own, through the provider it sets.
+    tracer = tracing.setup(o.otlp_traces_endpoint, "skyline-worker", {"skyline.process": rt.worker_id},
+                           engine_sets_provider=rt.engine.kind == "vllm")
+    if tracer is not None:
+        timeline.traces = tracing.RequestTraces(tracer, rt.worker_id)
     return timeline, metrics
 
 
@@ -156,8 +162,16 @@ def entry_age_ms(entry_id: str) -> int:
 
 
 def claimed(rt: Any, stage: str, req: messages.GenerateRequest, entry_id: str) -> None:
+    if rt.timeline.traces is not None:  # its spans here join the trace the gateway started
+        rt.timeline.traces.adopt(req.request_id, req.trace)
     rt.timeline.emit(req.request_id, f"{stage}_claimed", tier=req.tier, wait_ms=entry_age_ms(entry_id),
                      preemptions=req.preemptions)
+
+
+def trace_headers(rt: Any, req: messages.GenerateRequest) -> dict[str, str] | None:
+    """The trace context the engine's own span of `req` joins (this worker's span of it), when traced."""
+    traces = rt.timeline.traces
+    return traces.carrier(req.request_id) if traces is not None else None
 
 
 def prefill_finished(rt: Any, req: messages.GenerateRequest, work: messages.DecodeWork,

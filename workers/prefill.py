@@ -26,9 +26,9 @@ from skyline.workers.port import WorkerPort
 log = logging.getLogger("skyline.worker.prefill")
 
 
-def engine_request(req: messages.GenerateRequest) -> EngineRequest:
+def engine_request(req: messages.GenerateRequest, trace_headers: dict[str, str] | None = None) -> EngineRequest:
     return EngineRequest(req.request_id, req.prompt_token_ids, req.sampling, req.priority, req.cache_salt,
-                         targeted=not req.best_effort, adapter=req.adapter)
+                         targeted=not req.best_effort, adapter=req.adapter, trace_headers=trace_headers)
 
 
 class PrefillHandler:
@@ -43,7 +43,7 @@ class PrefillHandler:
         started = now_ms()
         self.port.timeline.emit(req.request_id, "prefill_started", prompt_tokens=len(req.prompt_token_ids))
         try:
-            result = await self.port.engine.prefill(engine_request(req))
+            result = await self.port.engine.prefill(engine_request(req, observe.trace_headers(self.port, req)))
         except RequestRefused as exc:  # a client error (an adapter it cannot load): answered, never retried
             await self.port.fail(held, exc.status, exc.message, code="unsupported_by_engine", dead_letter=False)
             return

@@ -37,6 +37,7 @@ from skyline.batch import jsonl
 from skyline.batch.objects import TERMINAL
 from skyline.batch.store import BatchStore
 from skyline.core import redisconn
+from skyline.core import tracing
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys
 from skyline.scheduler.batch_pacing import BatchPacer, PacingPolicy, fleet_load, slo_pressure, stricter_tiers
@@ -127,8 +128,20 @@ class BatchRun:
         self.sent = 0  # requests this execution sent (for the log and the job result)
 
     async def run(self) -> dict[str, Any]:
+        # With --otlp-traces-endpoint: one span for this execution of the job, the parent of every line's
+        # request (the gateway passes its context on to each line's trace).
+        with tracing.job_span(self.cfg.observability.otlp_traces_endpoint, "skyline.batch",
+                              {"skyline.batch.id": self.batch_id}) as (span, carrier):
+            result = await self._run_with(carrier)
+            if span is not None:
+                span.set_attributes({"skyline.batch.status": str(result.get("status")),
+                                     "skyline.batch.sent": self.sent})
+            return result
+
+    async def _run_with(self, trace_headers: dict[str, str]) -> dict[str, Any]:
         r = redisconn.connect(self.cfg.redis)
         headers = {"authorization": f"Bearer {self.ctx.api_key}"} if self.ctx.api_key else {}
+        headers.update(trace_headers)
         timeout = httpx.Timeout(self.cfg.gateway.request_timeout_s + 60, connect=10)
         limits = httpx.Limits(max_connections=self.bc.max_concurrency + 4)
         try:

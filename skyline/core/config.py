@@ -327,6 +327,8 @@ class ObservabilityConfig:
     recent_requests: int = 2000  # finished requests kept (latency, SLO verdict) for percentiles and the slowest list
     log_format: str = "text"  # "text" or "json" (one JSON object per line)
     log_events: bool = True  # one log line per request event (arrived, claimed, first_token, ...)
+    # OpenTelemetry traces of every request, exported over OTLP here ("" = none): skyline/core/tracing.py.
+    otlp_traces_endpoint: str = ""
 
 
 @dataclass(frozen=True)

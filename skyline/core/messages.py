@@ -88,6 +88,9 @@ class GenerateRequest:
     # The LoRA adapter the request names as its `model` (None: the base model). Prefill and decode
     # engines both run it: KV computed with an adapter is decoded with it.
     adapter: AdapterRef | None = None
+    # The W3C trace context of the gateway's span of this request (`traceparent`, `tracestate`), when
+    # the gateway exports traces: every worker's spans of it join the same trace (skyline/core/tracing.py).
+    trace: dict[str, str] | None = None
 
 
 @dataclass

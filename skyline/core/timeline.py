@@ -5,8 +5,8 @@ prefill worker, a decode worker) records it as an event: a name from
 `EVENTS`, the wall-clock time in ms, who saw it (gateway or worker id) and a
 few fields. The same call also writes one log line (logger
 `skyline.events`, structured in `--log-format json`) and tells listeners
-(the process's Prometheus metrics) about it, so an event is counted, logged
-and kept the same way everywhere.
+(the process's Prometheus metrics) and its OpenTelemetry spans (skyline/core/tracing.py, when
+it exports traces) about it, so an event is counted, logged, traced and kept the same way everywhere.
 
 Storage: one Redis LIST per request (`Keys.timeline`), one JSON object per
 event, newest `max_events` kept, TTL renewed by every write. Writes are
@@ -133,6 +133,7 @@ class Timeline:
         self.enabled = enabled
         self.log_events = log_events
         self.listeners: list[Listener] = []  # called with (event, fields) for every event, e.g. metrics
+        self.traces: Any = None  # skyline.core.tracing.RequestTraces, when the process exports traces
         self.batcher = PipelineBatcher(r, "timeline")
         self._warned: set[str] = set()
         self._pending: dict[str, list[str]] = {}  # timeline key -> events not yet handed to the batcher
@@ -157,9 +158,15 @@ class Timeline:
                 log.exception("timeline listener failed on %s", event)
         if self.log_events and log.isEnabledFor(logging.INFO):
             log.info(EventLine(event, request_id, who, fields))
+        t_ms = now_ms() if t_ms is None else t_ms
+        if self.traces is not None:
+            try:
+                self.traces.on_event(request_id, event, t_ms, fields)
+            except Exception:  # noqa: BLE001 - a tracing bug must not fail a request
+                log.exception("tracing %s failed", event)
         if not self.enabled:
             return
-        entry = TimelineEvent(event, now_ms() if t_ms is None else t_ms, who, fields).to_json()
+        entry = TimelineEvent(event, t_ms, who, fields).to_json()
         if not self._pending:
             self.batcher.add(self._write_pending)
         self._pending.setdefault(self.keys.timeline(request_id), []).append(entry)

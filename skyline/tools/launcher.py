@@ -234,6 +234,8 @@ def _common_args(cfg: SkylineConfig, args: argparse.Namespace) -> list[str]:
     if args.config:
         out += ["--config", args.config]
     out += ["--log-format", cfg.observability.log_format]
+    if cfg.observability.otlp_traces_endpoint:
+        out += ["--otlp-traces-endpoint", cfg.observability.otlp_traces_endpoint]
     return out
 
 

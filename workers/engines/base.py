@@ -28,6 +28,9 @@ class EngineRequest:
     # while only such requests are in it: scheduler/step_budget.py's relaxed steps).
     targeted: bool = True
     adapter: AdapterRef | None = None  # the LoRA adapter it runs with (None: the base model)
+    # The W3C trace context of the worker's span of it: vLLM's own span of the request joins the trace
+    # (an engine started with --otlp-traces-endpoint; skyline/core/tracing.py).
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass

@@ -96,8 +96,11 @@ class VllmEngine(Engine):
         engine_nice: int = 0,
         cache_events: bool = True,
         engine_args: dict[str, Any] | None = None,
+        otlp_traces_endpoint: str = "",
     ):
         self.model = model
+        # The worker's --otlp-traces-endpoint: vLLM's own span of each request joins the worker's trace.
+        self.otlp_traces_endpoint = otlp_traces_endpoint
         # The user's vLLM engine arguments ({dest: value}, parsed by vLLM's parser: skyline/core/engine_args.py):
         # every one reaches the engine; where one is also a default here (eager, KV cache size, chunked
         # prefill), the user's wins; what Skyline controls was refused at start (engine_args.refusals).
@@ -212,6 +215,8 @@ class VllmEngine(Engine):
             enable_logging_iteration_details=True,  # each step's tokens and time feed on_step
         )
         given = self.engine_args
+        if self.otlp_traces_endpoint:
+            kwargs["otlp_traces_endpoint"] = self.otlp_traces_endpoint
         if "enforce_eager" not in given:
             kwargs["enforce_eager"] = (not torch.cuda.is_available()) if self.enforce_eager is None else self.enforce_eager
         if self._kv_events is not None:
@@ -407,7 +412,7 @@ class VllmEngine(Engine):
 
         # The same salt: the n sequences that follow must find these blocks in the prefix cache.
         pull = EngineRequest(f"{req.request_id}-kvpull", req.prompt_token_ids, req.sampling, req.priority,
-                             req.cache_salt, req.targeted, req.adapter)
+                             req.cache_salt, req.targeted, req.adapter, req.trace_headers)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"kv_transfer_params": handle})
         loaded = 0
@@ -434,7 +439,7 @@ class VllmEngine(Engine):
             # vLLM appends a random suffix to make its internal request id; the
             # id given here stays the external id, which abort() accepts.
             async for out in self._llm.generate(
-                prompt, params, req.request_id, lora_request=lora,
+                prompt, params, req.request_id, lora_request=lora, trace_headers=req.trace_headers,
                 # vLLM rejects a non-zero priority under the fcfs policy.
                 priority=req.priority if self.scheduling_policy == "priority" else 0,
             ):
