@@ -432,6 +432,7 @@ def _live_hook(vllm_scheduler, w):
                 "urgent_priority": sim.urgent_priority}})
             self.max_num_scheduled_tokens = w.perf.max_step_tokens
             self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=sim.decode_cap)
+            self.lora_config = None  # no LoRA (vLLM's attribute: None unless --enable-lora)
             self._init_step_shaping()
 
     return Hook()
