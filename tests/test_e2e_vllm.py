@@ -4,7 +4,8 @@ One prefill engine pinned to core 0 and one decode engine pinned to core 1,
 started once for this module (~1 min). Greedy output through the
 disaggregated path must equal the same decode engine's colocated output
 (prefill and decode in one engine) token for token, and the decode engine must
-report that the prompt's KV came from the prefill engine.
+report that the prompt's KV came from the prefill engine. The fleet exports traces
+to a real OTLP receiver: vLLM's own spans join each request's trace.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from tests.fleet import Fleet
+from tests.otlp_receiver import OtlpReceiver
 from tests.procs import descendants, wait_gone, wait_until
 
 pytestmark = pytest.mark.vllm
@@ -24,8 +26,15 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_url, tmp_path_factory):
-    f = Fleet(redis_url, "e2e-vllm", "vllm", tmp_path_factory.mktemp("vllm-logs"), ["--model", "default"])
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tmp_path_factory, receiver):
+    f = Fleet(redis_url, "e2e-vllm", "vllm", tmp_path_factory.mktemp("vllm-logs"),
+              ["--model", "default", "--otlp-traces-endpoint", receiver.endpoint])
     cores = sorted(os.sched_getaffinity(0))
     # The decode worker takes vLLM engine arguments on its command line (issue 34): harmless for the
     # greedy answers compared here, visible in the config its engine logs.
@@ -614,3 +623,22 @@ def test_a_decode_worker_whose_engine_stops_stepping_ends_itself_and_its_stream_
     assert text == want
     assert len(engine_procs) >= 1
     assert not wait_gone(engine_procs, timeout_s=15), "the stopped engine's processes outlived their worker"
+
+
+def test_vllm_engines_spans_join_the_request_trace_under_each_worker(client, receiver):
+    """Each engine's own `llm_request` span (vLLM's tracing, given the worker's endpoint) is a child of the
+    worker's span of the request, in the trace the client started (skyline/core/tracing.py)."""
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                   max_tokens=8, temperature=0,
+                                   extra_headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+
+    def engines_reported(spans) -> bool:
+        return sum(s.name == "llm_request" for s in spans) >= 2 and sum(s.name == "skyline.worker" for s in spans) == 2
+
+    spans = receiver.wait_for(trace_id, engines_reported, timeout_s=90)  # each process exports every 5 s
+    assert engines_reported(spans), [(s.name, s.service) for s in spans]
+    stays = {s.attributes["skyline.stage"]: s for s in spans if s.name == "skyline.worker"}
+    engine_parents = {s.parent_id for s in spans if s.name == "llm_request"}
+    assert {stays["prefill"].span_id, stays["decode"].span_id} <= engine_parents
+    assert all(s.service == "skyline-worker" for s in spans if s.name == "llm_request")

@@ -47,8 +47,9 @@ def both(redis_url, tmp_path_factory, adapter):
     static = (*LORA_FLAGS, "--lora-modules", f"sql={adapter}")
     workers = {"prefill-0": ("prefill", "--cpu-bind", str(cores[0]), *static),
                "decode-0": ("decode", "--cpu-bind", str(cores[-1]), *static)}
-    with reference_server(MODEL, (*LORA_FLAGS, "--lora-modules", f"sql={adapter}"), logs / "reference.log") as (
-            proc, url):
+    # Run-time loads on too (vLLM's switch for its load routes), to compare how each refuses an adapter.
+    with reference_server(MODEL, (*LORA_FLAGS, "--lora-modules", f"sql={adapter}"), logs / "reference.log",
+                          env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as (proc, url):
         with f.running(workers, timeout_s=600):
             wait_up(proc, url, logs / "reference.log")
             yield url, f
@@ -135,3 +136,24 @@ def test_an_adapter_loaded_at_run_time_unloaded_and_reloaded_answers_as_plain_vl
         held = (r.hget(f"{fleet.key_prefix}:worker:{worker}", "adapters") or b"").decode().split(",")
         assert "sql-live" in held, (worker, held)
         assert int(r.hget(f"{fleet.key_prefix}:worker:{worker}", "lora_slots")) == 2
+
+
+def test_an_adapter_the_engine_refuses_is_refused_as_vllm_serve_refuses_it(both, adapter, tmp_path):
+    """Rank 16 on engines of --max-lora-rank 8: the worker's check (vLLM's own reading of the adapter,
+    workers/engines/vllm_engine.py check_adapter) refuses it before any engine loads it, with plain
+    vllm serve's status and reason; the fleet does not list it."""
+    import json
+    import shutil
+
+    url, fleet = both
+    too_big = tmp_path / "rank-16"
+    shutil.copytree(adapter, too_big)
+    config = json.loads((too_big / "adapter_config.json").read_text())
+    (too_big / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
+    body = {"lora_name": "rank-16", "lora_path": str(too_big)}
+    plain = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+    ours = httpx.post(f"{fleet.url}/v1/load_lora_adapter", json=body, timeout=60)
+    reason = "LoRA rank 16 is greater than max_lora_rank 8"
+    assert reason in plain.json()["error"]["message"], plain.text
+    assert ours.status_code == plain.status_code and reason in ours.json()["error"]["message"], ours.text
+    assert "rank-16" not in {m["id"] for m in httpx.get(f"{fleet.url}/v1/models", timeout=30).json()["data"]}

@@ -17,9 +17,11 @@ from skyline.core.net import free_port
 
 
 @contextlib.contextmanager
-def reference_server(model: str, extra_args: tuple[str, ...], log_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """(process, URL) of a vLLM server of the default model served as `model`, with `extra_args`, on the first
-    core, logging to `log_path`; started, not waited for (`wait_up`), so a fleet can load beside it."""
+def reference_server(model: str, extra_args: tuple[str, ...], log_path: Path,
+                     env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(process, URL) of a vLLM server of the default model served as `model`, with `extra_args` (and `env`
+    added to its environment), on the first core, logging to `log_path`; started, not waited for
+    (`wait_up`), so a fleet can load beside it."""
     from skyline.tools.model import resolve_model
     from skyline.workers.engines import engine_processes
 
@@ -32,7 +34,7 @@ def reference_server(model: str, extra_args: tuple[str, ...], log_path: Path) ->
              "--host", "127.0.0.1", "--port", str(port), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(cores[0]),
-                     **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}))
+                     **{engine_processes.PAUSE_ENV: engine_processes.POLL_PAUSE_US}, **(env or {})))
     try:
         yield proc, f"http://127.0.0.1:{port}"
     finally:
