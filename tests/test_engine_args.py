@@ -274,11 +274,13 @@ def test_the_cli_hands_engine_arguments_to_the_config():
 
 def test_skylines_own_worker_options_shadow_only_vllms_log_level():
     """`skyline worker` parses its own options first, then hands the rest to vLLM's parser: an option both
-    have would never reach vLLM. Only --log-level (Skyline's logging) is in both."""
+    have would never reach vLLM. Only options Skyline takes on purpose are in both: --log-level (Skyline's
+    logging), --reasoning-parser (the gateway's) and --otlp-traces-endpoint (the worker hands it to its engine
+    too, so vLLM's spans join the request's trace)."""
     from skyline.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     vllm_options = set(ea.parser()._option_string_actions)
     for command in ("worker", "up"):
         ours = set(sub.choices[command]._option_string_actions) - {"-h", "--help"}
-        assert ours & vllm_options <= {"--log-level", "--reasoning-parser"}, command
+        assert ours & vllm_options <= {"--log-level", "--reasoning-parser", "--otlp-traces-endpoint"}, command

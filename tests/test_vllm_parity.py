@@ -389,3 +389,63 @@ def test_unknown_model_is_refused_as_vllm_refuses_it(clients):
             client.chat.completions.create(model="not-served", messages=CHAT, max_tokens=4)
         statuses.append(err.value.status_code)
     assert statuses[0] == statuses[1] == 404
+
+
+# ---- 8. the clients people use: LangChain ------------------------------------------------------------
+
+
+def _langchain(base_url: str, route: str | None, max_tokens: int):
+    """LangChain's ChatOpenAI as its users point it at `vllm serve` (chat completions)."""
+    from langchain_openai import ChatOpenAI
+
+    headers = {"x-skyline-route": route, "x-slo-tier": "batch"} if route else None
+    return ChatOpenAI(base_url=f"{base_url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=max_tokens,
+                      max_retries=0, timeout=120, default_headers=headers)
+
+
+def _langchain_same(fleet, reference, run, max_tokens: int):
+    """`run(chat model)` against the reference and against Skyline on both routes: the same result."""
+    want = run(_langchain(reference, None, max_tokens))
+    for route in ROUTES:
+        got = run(_langchain(fleet.url, route, max_tokens))
+        assert got == want, (route, got, want)
+    return want
+
+
+def test_langchain_text_streaming_and_multi_turn_as_vllm_serve(fleet, reference):
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    turns = [HumanMessage("What is the capital of France?"), AIMessage("Paris."), HumanMessage("And of Italy?")]
+    want = _langchain_same(fleet, reference, lambda llm: (
+        llm.invoke(turns).content, "".join(chunk.content for chunk in llm.stream("Name three colors."))), 16)
+    assert all(want)
+
+
+def test_langchain_tools_with_results_as_vllm_serve(fleet, reference):
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city"""
+        return "18 C and sunny"
+
+    # The call is given, not generated: with a named tool_choice this 135M model writes arguments that are
+    # not an object ('Paris'), which LangChain refuses before comparing anything. What is compared is how a
+    # tool's result, in LangChain's messages, is rendered and answered.
+    call = {"name": "get_weather", "args": {"city": "Paris"}, "id": "call_0"}
+    history = [HumanMessage("What is the weather in Paris?"), AIMessage("", tool_calls=[call]),
+               ToolMessage(get_weather.invoke(call["args"]), tool_call_id="call_0")]
+    def run(llm):
+        reply = llm.bind_tools([get_weather]).invoke(history)
+        return reply.content, [(c["name"], c["args"]) for c in reply.tool_calls]
+
+    content, calls = _langchain_same(fleet, reference, run, 48)
+    assert content or calls
+
+
+def test_langchain_structured_output_as_vllm_serve(fleet, reference):
+    schema = {"title": "person", "description": "A person", **SCHEMA}
+    want = _langchain_same(fleet, reference, lambda llm: llm.with_structured_output(schema, method="json_schema")
+                           .invoke("Describe a person."), 40)
+    assert isinstance(want, dict)
