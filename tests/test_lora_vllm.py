@@ -20,15 +20,13 @@ import pytest
 
 from skyline.tools.bench.lora import make_adapters
 from tests.fleet import Fleet
-from tests.vllm_reference import reference_server, wait_up
+from tests.vllm_reference import greedy_answer, reference_server, wait_up
 
 pytestmark = pytest.mark.vllm
 
 MODEL = "SmolLM2-135M-Instruct"
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 ROUTES = ("disagg", "colocated")
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +61,7 @@ def clients(both):
 
 
 def _answer(client, model: str, kind: str, stream: bool, route: str | None = None) -> str:
-    headers = {"x-skyline-route": route} if route else None
-    if kind == "chat":
-        kw = dict(model=model, messages=CHAT, max_tokens=24, temperature=0, extra_headers=headers)
-        if stream:
-            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                           if c.choices)
-        r = client.chat.completions.create(**kw)
-        assert r.model == model
-        return r.choices[0].message.content
-    kw = dict(model=model, prompt=PROMPT, max_tokens=24, temperature=0, extra_headers=headers)
-    if stream:
-        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
-    r = client.completions.create(**kw)
-    assert r.model == model
-    return r.choices[0].text
+    return greedy_answer(client, model, kind, stream, route)[0]
 
 
 def test_the_adapter_changes_the_answer(clients):

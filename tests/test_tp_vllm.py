@@ -24,30 +24,16 @@ import openai
 import pytest
 
 from tests.fleet import Fleet
-from tests.vllm_reference import reference_server, wait_up
+from tests.vllm_reference import greedy_answer, reference_server, wait_up
 
 pytestmark = pytest.mark.vllm
 
 MODEL = "SmolLM2-135M-Instruct"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-PROMPT = "The three primary colors are"
 MAX_TOKENS = 12  # one TP=3 step on shared cores is ~10x a TP=1 one: a few tokens prove the split
 
 
 def _answer(client, kind: str, stream: bool, route: str | None = None) -> tuple[str, dict]:
-    headers = {"x-skyline-route": route} if route else None
-    if kind == "chat":
-        kw = dict(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, extra_headers=headers)
-        if stream:
-            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                           if c.choices), {}
-        r = client.chat.completions.create(**kw)
-        return r.choices[0].message.content, r.model_extra.get("skyline", {})
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_headers=headers)
-    if stream:
-        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices), {}
-    r = client.completions.create(**kw)
-    return r.choices[0].text, r.model_extra.get("skyline", {})
+    return greedy_answer(client, MODEL, kind, stream, route, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,29 @@ def wait_up(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float =
         if time.monotonic() > deadline:
             raise TimeoutError("reference vLLM server did not start")
         time.sleep(1)
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+
+
+def greedy_answer(client, model: str, kind: str, stream: bool, route: str | None = None,
+                  max_tokens: int = 24) -> tuple[str, dict]:
+    """(text, the response's `skyline` object or {}) of CHAT (kind "chat") or PROMPT (kind "completion"),
+    greedy, from an OpenAI client of the reference server or of a fleet (`route`: x-skyline-route).
+    A whole response must name `model`; a streamed one carries no `skyline` object."""
+    headers = {"x-skyline-route": route} if route else None
+    if kind == "chat":
+        kw = dict(model=model, messages=CHAT, max_tokens=max_tokens, temperature=0, extra_headers=headers)
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices), {}
+        r = client.chat.completions.create(**kw)
+        assert r.model == model
+        return r.choices[0].message.content, (r.model_extra or {}).get("skyline", {})
+    kw = dict(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_headers=headers)
+    if stream:
+        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices), {}
+    r = client.completions.create(**kw)
+    assert r.model == model
+    return r.choices[0].text, (r.model_extra or {}).get("skyline", {})

@@ -147,7 +147,7 @@ def attach(rt: Any) -> tuple[Timeline, WorkerMetrics]:
     # A vLLM engine given the same endpoint (build_engine) sets the process's tracer provider when it
     # starts: the worker's spans go out with its own, through the provider it sets.
     tracer = tracing.setup(o.otlp_traces_endpoint, "skyline-worker", {"skyline.process": rt.worker_id},
-                           engine_sets_provider=getattr(rt.engine, "kind", "") == "vllm")
+                           engine_sets_provider=rt.engine.kind == "vllm")
     if tracer is not None:
         timeline.traces = tracing.RequestTraces(tracer, rt.worker_id)
     return timeline, metrics
