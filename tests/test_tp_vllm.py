@@ -1,19 +1,15 @@
 """Tensor parallelism on this machine's CPU build, against plain `vllm serve` (TP=1).
 
 The default model has 9 attention heads (3 KV heads): vLLM refuses TP=2 for it, TP=3 is the smallest
-split it takes (docs/vllm-on-cpu.md). The fleet: a TP=1 prefill worker and a TP=3 decode worker (three
-rank processes, one core set per rank, `--cpu-bind 1|0|1`). Through the colocated route the TP=3 engine
-computes the prompt and decodes; its greedy answers equal plain `vllm serve`'s (TP=1), token for token,
-streamed and not.
+split it takes (docs/vllm-on-cpu.md). Two fleets, one after the other: a TP=1 prefill engine with a
+TP=3 decode engine, then a TP=3 prefill engine with a TP=1 decode engine (three rank processes, one
+core set per rank; each engine on a core of its own). Greedy answers equal plain `vllm serve`'s (TP=1),
+token for token, streamed and not: through the colocated route (the decode engine alone) and through
+the disaggregated one, where the KV computed at one TP is pulled over NIXL by engine ranks of another
+(heterogeneous TP: vLLM's connector maps one rank's KV heads onto three ranks, or three onto one).
 
-Not tested yet: the disaggregated route between engines of different TP. On this build, 2026-12-06, a
-TP=3 decode engine pulling a TP=1 prefill engine's KV stalled (two of the three ranks pulled; the
-worker's stall watchdog ended it after 60 s), and a TP=1 decode engine pulling from a TP=3 prefill
-engine gave no output within 120 s in this test, though it worked by hand on 2026-12-05
-(docs/vllm-on-cpu.md).
-
-The reference server is stopped before the fleet starts: five engine processes on two cores are
-enough at once.
+The reference server is stopped before the fleets start: four engine ranks on two cores are enough
+at once.
 """
 
 from __future__ import annotations
@@ -45,20 +41,48 @@ def reference_answers(tmp_path_factory):
         return {kind: _answer(ref, kind, False)[0] for kind in ("chat", "completion")}
 
 
-@pytest.fixture(scope="module")
-def fleet(redis_url, tmp_path_factory, reference_answers):
-    f = Fleet(redis_url, "tp-vllm", "vllm", tmp_path_factory.mktemp("tp-logs"), ["--model", "default"])
-    first, last = (str(c) for c in (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))))
-    workers = {"prefill-0": ("prefill", "--cpu-bind", first),
-               "decode-0": ("decode", "--cpu-bind", f"{last}|{first}|{last}", "--tensor-parallel-size", "3")}
+# Each layout: (the prefill engine's ranks, the decode engine's), each engine on a core of its own: ranks
+# of a decode engine on its prefill peer's core hang its KV pulls (skyline/tools/launcher.py core_binds;
+# the stalls this test saw on 2026-12-06 had the TP=3 ranks bound to "1|0|1").
+LAYOUTS = {"tp1-to-tp3": (1, 3), "tp3-to-tp1": (3, 1)}
+
+
+def _bind(core: int, ranks: int) -> str:
+    return "|".join([str(core)] * ranks)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def fleet(request, redis_url, tmp_path_factory, reference_answers):
+    prefill_tp, decode_tp = LAYOUTS[request.param]
+    f = Fleet(redis_url, f"tp-vllm-{request.param}", "vllm", tmp_path_factory.mktemp(f"tp-logs-{request.param}"),
+              ["--model", "default"])
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    workers = {"prefill-0": ("prefill", "--cpu-bind", _bind(first, prefill_tp), "--tensor-parallel-size",
+                             str(prefill_tp)),
+               "decode-0": ("decode", "--cpu-bind", _bind(last, decode_tp), "--tensor-parallel-size", str(decode_tp))}
     with f.running(workers, timeout_s=600):
-        yield f
+        yield request.param, f
 
 
-def test_a_tp3_engine_answers_as_plain_vllm_serve(fleet, reference_answers):
-    sky = fleet.client(timeout_s=300)
+def test_the_colocated_route_answers_as_plain_vllm_serve(fleet, reference_answers):
+    """The decode engine computes the prompt and decodes it: three ranks in one layout, one in the other."""
+    _layout, f = fleet
+    sky = f.client(timeout_s=300)
     for kind in ("chat", "completion"):
         text, ext = _answer(sky, kind, False, "colocated")
         assert text == reference_answers[kind], (kind, ext)
         assert ext["decode_worker"] == "decode-0" and not ext["kv_transfer"].get("remote_prefill"), ext
         assert _answer(sky, kind, True, "colocated")[0] == reference_answers[kind], (kind, "stream")
+
+
+def test_kv_computed_at_one_tp_is_decoded_at_another(fleet, reference_answers):
+    """Heterogeneous TP over NIXL: the decode engine's ranks pull the KV heads they hold from the prefill
+    engine's ranks (vLLM's NIXL connector maps one rank onto several, or several onto one)."""
+    _layout, f = fleet
+    sky = f.client(timeout_s=300)
+    for kind in ("chat", "completion"):
+        text, ext = _answer(sky, kind, False, "disagg")
+        assert ext["kv_transfer"].get("remote_prefill"), ext
+        assert (ext["prefill_worker"], ext["decode_worker"]) == ("prefill-0", "decode-0"), ext
+        assert text == reference_answers[kind], (kind, ext)
+        assert _answer(sky, kind, True, "disagg")[0] == reference_answers[kind], (kind, "stream")
