@@ -57,6 +57,19 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported():
         assert needed in queried, needed
 
 
+def test_the_grafana_dashboard_shows_the_models_chosen_in_its_model_selector():
+    """Several models through one gateway: every series of a model's (every metric but the fleet-wide ones)
+    is filtered by the dashboard's `model` variable, whose values are the models the fleet serves."""
+    dash = json.loads((DEPLOY / "grafana" / "skyline.json").read_text())
+    model = next(v for v in dash["templating"]["list"] if v["name"] == "model")
+    assert model["query"] == "label_values(skyline_fleet_workers, model)" and model["includeAll"] and model["multi"]
+    fleet_wide = {"skyline_dead_letter_length", "skyline_timeline_write_errors_total"}  # no model label
+    for expr in (t["expr"] for p in dash["panels"] for t in p.get("targets", [])):
+        for name, selector in re.findall(r"\b(skyline_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            if name not in fleet_wide:
+                assert 'model=~"$model"' in selector, (name, expr)
+
+
 def test_metric_names_follow_one_style():
     for name in all_exported():
         assert re.fullmatch(r"skyline_(gateway|worker|queue|fleet|dead_letter|timeline)_?[a-z0-9_]*", name), name
