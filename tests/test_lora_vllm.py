@@ -141,3 +141,45 @@ def test_an_adapter_the_engine_refuses_is_refused_as_vllm_serve_refuses_it(both,
     assert reason in plain.json()["error"]["message"], plain.text
     assert ours.status_code == plain.status_code and reason in ours.json()["error"]["message"], ours.text
     assert "rank-16" not in {m["id"] for m in httpx.get(f"{fleet.url}/v1/models", timeout=30).json()["data"]}
+
+
+def test_an_adapter_the_engines_cache_has_no_room_for_is_left_to_vllms_step(both, clients, tmp_path):
+    """The decode engine's cache (2 slots) holds adapters x and y, both decoding, when a request for z
+    arrives: the worker leaves z's load to the vLLM step that runs it, as `vllm serve` does, so z is read
+    once and x and y are not evicted under their running requests and read again (loading z on arrival
+    evicted the least recently used of them, and the next step read it back). z's answer is plain
+    `vllm serve`'s."""
+    import concurrent.futures
+    import time
+
+    from skyline.tools.bench.lora import WeightOpens
+    from skyline.tools.model import resolve_model
+
+    url, fleet = both
+    ref, sky = clients
+    names = ("x", "y", "z")
+    paths = make_adapters(resolve_model("default"), [str(tmp_path / n) for n in names], seed=99)
+    gw = httpx.Client(base_url=fleet.url, timeout=60)
+    for name, path in zip(names, paths):
+        assert gw.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}).status_code == 200
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                          timeout=60).status_code == 200
+    want = _answer(ref, "z", "completion", False)
+    for name in ("x", "y"):  # one after the other: the engine's cache is then x and y
+        _answer(sky, name, "completion", False, "colocated")
+
+    def long_decode(name: str) -> None:
+        sky.completions.create(model=name, prompt="Count from one to one hundred:", max_tokens=96, temperature=0,
+                               extra_headers={"x-skyline-route": "colocated"})
+
+    opens = WeightOpens(paths)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(long_decode, name) for name in ("x", "y")]
+            time.sleep(1.0)  # both are decoding
+            assert _answer(sky, "z", "completion", False, "colocated") == want
+            for f in running:
+                f.result()
+        assert opens.read() == 1  # z, once
+    finally:
+        opens.close()

@@ -173,9 +173,11 @@ class Engine(abc.ABC):
 
     # -- LoRA adapters (skyline/core/adapters.py, workers/adapters.py) --------------------------
     # Adapters the engine runs at once (vLLM's max_loras), known after `start`; 0 = no LoRA: a request
-    # with an adapter is refused. An engine loads a request's adapter when the request arrives, if
-    # it does not hold it yet; `adapter_load_ms` is what its loads took (mean, 0 = none measured),
-    # `adapter_loads` how many it made (the worker's skyline_worker_adapter_loads_total).
+    # with an adapter is refused. An engine loads a request's adapter if it does not hold it yet: when
+    # the request arrives while it has room for one more, else when it runs it (vLLM: the step that
+    # runs it, evicting an adapter that step does not use); `adapter_load_ms` is what its loads took
+    # (mean, 0 = none measured), `adapter_loads` how many it made (the worker's
+    # skyline_worker_adapter_loads_total).
     lora_slots: int = 0
     adapter_load_ms: float = 0.0
     adapter_loads: int = 0

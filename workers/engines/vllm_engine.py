@@ -155,6 +155,9 @@ class VllmEngine(Engine):
         # LoRA adapters the engine was given, by fleet-wide id (vLLM's lora_int_id) -> name; which of
         # them it still holds is vLLM's to say (`adapters`: its LRU cache evicts).
         self._adapter_names: dict[int, str] = {}
+        self._lora_cache_slots = 0  # adapters vLLM's cache holds (--max-cpu-loras, max_loras by default)
+        self._left_to_vllm: set[int] = set()  # adapters counted as loads that vLLM makes at its next step
+        self._lora_lock = asyncio.Lock()
         self._adapter_loads: list[float] = []  # ms each load took, the latest few
         # KV cache bytes of one token (K and V, every layer): sizes KV transfers in the timeline.
         self.kv_bytes_per_token: int | None = None
@@ -270,6 +273,8 @@ class VllmEngine(Engine):
         self.kv_bytes_per_token = vllm_internals.kv_bytes_per_token(self._llm)
         lora_config = self._llm.vllm_config.lora_config  # None unless --enable-lora
         self.lora_slots = int(lora_config.max_loras) if lora_config is not None else 0
+        if lora_config is not None:
+            self._lora_cache_slots = int(lora_config.max_cpu_loras or lora_config.max_loras)
         self.max_model_len = self._llm.model_config.max_model_len  # what vLLM settled on (EngineClient's config)
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine up in %.1f s (model %s, bind %s, nixl port %s, prefix-cache blocks of %d tokens reported)",
@@ -449,8 +454,12 @@ class VllmEngine(Engine):
             self._remote_tokens.pop(req.request_id, None)
 
     async def _lora_request(self, req: EngineRequest) -> Any:
-        """vLLM's LoRARequest for the request's adapter, loaded into the engine first if it does not
-        hold it (timed: the load time workers advertise, which admission control counts)."""
+        """vLLM's LoRARequest for the request's adapter. An adapter vLLM's cache lacks is loaded here, timed
+        (the load time workers advertise, which admission control counts), while the cache has room; with
+        the cache full it is left to vLLM, which loads it at the step that runs the request and evicts an
+        adapter that step does not use, as `vllm serve` does. Loading it here would evict the least recently
+        used adapter at once, though requests still running may use it, and vLLM would read that one again
+        at its next step: on the multi-LoRA benchmark (2 slots, 8 adapters) that doubled the adapter loads."""
         from vllm.lora.request import LoRARequest
 
         ref = req.adapter
@@ -459,7 +468,24 @@ class VllmEngine(Engine):
             raise RequestRefused(f"the model `{ref.name}` is a LoRA adapter and this engine runs without LoRA "
                                  "(start its workers with --enable-lora)", status=400, param="model")
         lora = LoRARequest(lora_name=ref.name, lora_int_id=ref.lora_id, lora_path=ref.path)
-        if ref.lora_id not in self._adapter_names:
+        first = ref.lora_id not in self._adapter_names
+        async with self._lora_lock:  # two loads at once would both see the same free room
+            held = await self._llm.list_loras()
+            if ref.lora_id in held:
+                self._adapter_names[ref.lora_id] = ref.name
+                self._left_to_vllm.discard(ref.lora_id)
+                return lora
+            if len(held) >= self._lora_cache_slots:
+                # vLLM's step fails the engine on an adapter it cannot read: one this engine never ran is
+                # read as its load reads it first (config and checks) and refused here if that fails.
+                if first and (problem := (await self.check_adapter(ref.path))[0]):
+                    raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: "
+                                         f"{problem}", status=400, param="model")
+                self._adapter_names[ref.lora_id] = ref.name
+                if ref.lora_id not in self._left_to_vllm:  # one load however many of its requests wait for it
+                    self._left_to_vllm.add(ref.lora_id)
+                    self.adapter_loads += 1
+                return lora
             t0 = time.monotonic()
             try:
                 await self._llm.add_lora(lora)  # vLLM's own load (what its load_lora_adapter route calls)
@@ -467,11 +493,11 @@ class VllmEngine(Engine):
                 raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: {exc}",
                                      status=400, param="model") from None
             self._adapter_names[ref.lora_id] = ref.name
-            self.adapter_loads += 1
-            self._adapter_loads = [*self._adapter_loads[-7:], (time.monotonic() - t0) * 1000]
-            self.adapter_load_ms = sum(self._adapter_loads) / len(self._adapter_loads)
-            log.info("LoRA adapter %s (id %d) loaded from %s in %.0f ms", ref.name, ref.lora_id, ref.path,
-                     self._adapter_loads[-1])
+        self.adapter_loads += 1
+        self._adapter_loads = [*self._adapter_loads[-7:], (time.monotonic() - t0) * 1000]
+        self.adapter_load_ms = sum(self._adapter_loads) / len(self._adapter_loads)
+        log.info("LoRA adapter %s (id %d) loaded from %s in %.0f ms", ref.name, ref.lora_id, ref.path,
+                 self._adapter_loads[-1])
         return lora
 
     async def check_adapter(self, path: str) -> tuple[str, bool]:
@@ -500,11 +526,11 @@ class VllmEngine(Engine):
         if self._llm is None or not self.lora_slots:
             return {}
         held = await self._llm.list_loras()
-        for lora_id in [i for i in self._adapter_names if i not in held]:  # evicted by vLLM: loaded again on use
-            del self._adapter_names[lora_id]
+        self._left_to_vllm -= set(held)  # vLLM loaded them for the requests that named them
         return {i: self._adapter_names[i] for i in sorted(held) if i in self._adapter_names}
 
     async def remove_adapter(self, lora_id: int) -> None:
+        self._left_to_vllm.discard(lora_id)
         if self._llm is not None and self._adapter_names.pop(lora_id, None) is not None:
             await self._llm.remove_lora(lora_id)
             log.info("LoRA adapter id %d removed (unloaded from the fleet)", lora_id)
