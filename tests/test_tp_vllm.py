@@ -61,13 +61,12 @@ def fleet(request, redis_url, tmp_path_factory, reference_answers):
                              str(prefill_tp)),
                "decode-0": ("decode", "--cpu-bind", _bind(last, decode_tp), "--tensor-parallel-size", str(decode_tp))}
     with f.running(workers, timeout_s=600):
-        yield request.param, f
+        yield f
 
 
 def test_the_colocated_route_answers_as_plain_vllm_serve(fleet, reference_answers):
     """The decode engine computes the prompt and decodes it: three ranks in one layout, one in the other."""
-    _layout, f = fleet
-    sky = f.client(timeout_s=300)
+    sky = fleet.client(timeout_s=300)
     for kind in ("chat", "completion"):
         text, ext = _answer(sky, kind, False, "colocated")
         assert text == reference_answers[kind], (kind, ext)
@@ -78,8 +77,7 @@ def test_the_colocated_route_answers_as_plain_vllm_serve(fleet, reference_answer
 def test_kv_computed_at_one_tp_is_decoded_at_another(fleet, reference_answers):
     """Heterogeneous TP over NIXL: the decode engine's ranks pull the KV heads they hold from the prefill
     engine's ranks (vLLM's NIXL connector maps one rank onto several, or several onto one)."""
-    _layout, f = fleet
-    sky = f.client(timeout_s=300)
+    sky = fleet.client(timeout_s=300)
     for kind in ("chat", "completion"):
         text, ext = _answer(sky, kind, False, "disagg")
         assert ext["kv_transfer"].get("remote_prefill"), ext

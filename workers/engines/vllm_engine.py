@@ -472,33 +472,34 @@ class VllmEngine(Engine):
         async with self._lora_lock:  # two loads at once would both see the same free room
             held = await self._llm.list_loras()
             if ref.lora_id in held:
-                self._adapter_names[ref.lora_id] = ref.name
                 self._left_to_vllm.discard(ref.lora_id)
-                return lora
-            if len(held) >= self._lora_cache_slots:
+            elif len(held) >= self._lora_cache_slots:
                 # vLLM's step fails the engine on an adapter it cannot read: one this engine never ran is
                 # read as its load reads it first (config and checks) and refused here if that fails.
                 if first and (problem := (await self.check_adapter(ref.path))[0]):
                     raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: "
                                          f"{problem}", status=400, param="model")
-                self._adapter_names[ref.lora_id] = ref.name
                 if ref.lora_id not in self._left_to_vllm:  # one load however many of its requests wait for it
                     self._left_to_vllm.add(ref.lora_id)
                     self.adapter_loads += 1
-                return lora
-            t0 = time.monotonic()
-            try:
-                await self._llm.add_lora(lora)  # vLLM's own load (what its load_lora_adapter route calls)
-            except Exception as exc:
-                raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: {exc}",
-                                     status=400, param="model") from None
+            else:
+                await self._load_adapter(lora, ref)
             self._adapter_names[ref.lora_id] = ref.name
+        return lora
+
+    async def _load_adapter(self, lora: Any, ref: Any) -> None:
+        """vLLM's own load of the adapter (what its load_lora_adapter route calls), timed and counted."""
+        t0 = time.monotonic()
+        try:
+            await self._llm.add_lora(lora)
+        except Exception as exc:
+            raise RequestRefused(f"the LoRA adapter `{ref.name}` could not be loaded from {ref.path}: {exc}",
+                                 status=400, param="model") from None
         self.adapter_loads += 1
         self._adapter_loads = [*self._adapter_loads[-7:], (time.monotonic() - t0) * 1000]
         self.adapter_load_ms = sum(self._adapter_loads) / len(self._adapter_loads)
         log.info("LoRA adapter %s (id %d) loaded from %s in %.0f ms", ref.name, ref.lora_id, ref.path,
                  self._adapter_loads[-1])
-        return lora
 
     async def check_adapter(self, path: str) -> tuple[str, bool]:
         """vLLM's own reading of an adapter before its weights (what its load does first): the path as it
