@@ -45,8 +45,13 @@ engine's count where it reports one, else an estimate from the claims'
 times at the measured rate), and the worker stops waiting as soon as one of
 its prompts gets its first token or leaves (the live claim loop wakes on an
 event; the simulated worker the same). Work that needs no prompt computed (a
-KV hand-off) and work of a stricter tier than anything the engine computes (it
-would preempt) are claimed at once.
+KV hand-off) is claimed at once. Work of a stricter tier than anything the engine
+computes would take the steps first (and preempt if it must), so it waits here
+only for the step in progress, but the engine's own prompts then wait for it:
+a peer computing no prompt gets it first (`IDLE_PEER_ANSWER_S`, as long as an idle
+peer takes to answer); with no such peer it is claimed at once. Measured on the
+mixed chat + RAG benchmark: without this, a chat went to the engine computing a
+1,800-token RAG prompt while its peer only decoded, and both missed their targets.
 """
 
 from __future__ import annotations
@@ -69,6 +74,12 @@ RECHECK_S = 0.05
 # longer would only delay the prompt where no engine is freer.
 CLAIM_DEFER_MAX_S = 0.25
 
+# How long a worker leaves a prompt to a peer computing none (a stricter tier's prompt while its engine
+# computes looser ones; a long prompt while it decodes more streams than that peer): an idle peer's claim
+# loop wakes on the new entry and takes it within a few tens of milliseconds (the mixed benchmark's median
+# claim: under 25 ms); past this the peer is not coming, and the prompt is claimed here.
+IDLE_PEER_ANSWER_S = 0.1
+
 
 def claim_defer_s(prefill_tokens: int, rank: int, left_tokens: int, computing_ranks: Iterable[int],
                   tokens_per_s: float, peer_free_s: float | None, max_s: float = CLAIM_DEFER_MAX_S) -> float:
@@ -80,9 +91,26 @@ def claim_defer_s(prefill_tokens: int, rank: int, left_tokens: int, computing_ra
     if max_s <= 0 or prefill_tokens <= 0 or left_tokens <= 0 or tokens_per_s <= 0 or peer_free_s is None:
         return 0.0
     if rank < min(computing_ranks, default=rank):
-        return 0.0  # stricter than anything computing here: it may preempt (scheduler/preemption.py)
+        # Stricter than anything computing here: its steps come before theirs (the holding rule,
+        # scheduler/step_budget.py), so here it waits only for the step in progress; but every step it
+        # holds, the looser prompts wait. A peer computing no prompt gives it steps no one else waits
+        # for: leave it to that peer for as long as an idle peer takes to answer; else claim it now.
+        return min(max_s, IDLE_PEER_ANSWER_S) if peer_free_s <= 0 else 0.0
     wait = left_tokens / tokens_per_s - peer_free_s
     return min(max_s, wait) if wait > 0 else 0.0
+
+
+def long_prompt_defer_s(my_streams: int, peer_streams: int | None, max_s: float = CLAIM_DEFER_MAX_S) -> float:
+    """How long an elastic worker whose engine computes no prompt and decodes `my_streams` streams waits before
+    claiming a long prompt (one the gateway routed through the prefill streams): every step that computes it
+    slows those streams. `peer_streams`: the fewest streams a live peer with room decodes while computing no
+    prompt, as the heartbeats said (`FreestPeers.fewest_streams`; None: no such peer). A peer that decodes
+    fewer takes it first, within the time an idle peer takes to answer: long prompts gather on the engines
+    with the fewest streams and streams on the others, the disaggregated split, found prompt by prompt
+    rather than fixed by process. 0: claim it now."""
+    if max_s <= 0 or peer_streams is None or peer_streams >= my_streams:
+        return 0.0
+    return min(max_s, IDLE_PEER_ANSWER_S)
 
 
 def tokens_left(prompts: Iterable[tuple[int, float, int | None]], tokens_per_s: float, now: float) -> int:
@@ -121,10 +149,20 @@ class PeerCompute(PeerLoad, Protocol):
 @dataclass(frozen=True)
 class FreestPeers:
     """For each stage, the two workers that may claim its prompts and are free of their own first, as their
-    heartbeats said: (when it is free, worker id), freest first. Two, so that every worker finds its
-    freest peer other than itself in one look, however large the fleet."""
+    heartbeats said: (when it is free, worker id), freest first; and the two computing no prompt that hold
+    the fewest requests (their streams): (requests, worker id). Two, so that every worker finds its peer
+    other than itself in one look, however large the fleet."""
 
     by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+    idle_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+
+    def fewest_streams(self, me: str, stage: str) -> int | None:
+        """The fewest requests a peer of worker `me` that may claim `stage`'s prompts holds while computing
+        no prompt (None: no such peer)."""
+        for running, worker_id in self.idle_by_stage.get(stage, ()):
+            if worker_id != me:
+                return running
+        return None
 
     def free_s(self, me: str, stage: str, now: float) -> float | None:
         """In how many seconds from `now` the freest peer of worker `me` that may claim `stage`'s prompts is
@@ -145,16 +183,23 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
     claim one more (`elastic.has_room`: the count, the prompt-token budget `prompt_budget`, the KV
     watermark)."""
     best: dict[str, list[tuple[float, str]]] = {}
+    idle: dict[str, list[tuple[int, str]]] = {}
     for p in peers:
         if not has_room(p, prompt_budget):
             continue
         free_at = p.last_seen + p.left_tokens / rate_or_prior(p.tokens_per_s, prior_tokens_per_s)
         for stage in STAGES_OF_ROLE.get(p.role, ()):
-            two = best.setdefault(stage, [])
-            two.append((free_at, p.worker_id))
-            two.sort()
-            del two[2:]
-    return FreestPeers({stage: tuple(two) for stage, two in best.items()})
+            _keep_two(best.setdefault(stage, []), (free_at, p.worker_id))
+            if p.left_tokens <= 0:
+                _keep_two(idle.setdefault(stage, []), (p.running, p.worker_id))
+    return FreestPeers({stage: tuple(two) for stage, two in best.items()},
+                       {stage: tuple(two) for stage, two in idle.items()})
+
+
+def _keep_two(two: list, item: tuple) -> None:
+    two.append(item)
+    two.sort()
+    del two[2:]
 
 
 @dataclass(frozen=True)

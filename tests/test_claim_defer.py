@@ -17,7 +17,8 @@ from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo
 from skyline.core.keys import Keys
 from skyline.core.streams import Claimed, Head, TierQueues, enqueue, ensure_groups
-from skyline.scheduler.claiming import CLAIM_DEFER_MAX_S, NO_PEERS, claim_defer_s, freest_peers, tokens_left
+from skyline.scheduler.claiming import (CLAIM_DEFER_MAX_S, IDLE_PEER_ANSWER_S, NO_PEERS, claim_defer_s, freest_peers,
+                                        long_prompt_defer_s, tokens_left)
 from skyline.scheduler.tiers import DEFAULT_TIERS
 from skyline.workers import runtime as live_runtime
 from skyline.workers.held import HeldRequest, HeldTable, Phase
@@ -39,9 +40,17 @@ def test_a_freer_peer_gets_the_difference_of_the_times_to_free_capped():
     assert claim_defer_s(128, 1, 2000, [1], 1000.0, 1.9) == pytest.approx(0.1)  # 2 s against 1.9 s
 
 
-def test_a_stricter_tier_than_anything_computing_is_claimed_at_once_to_preempt():
-    assert claim_defer_s(128, 0, 1024, [1, 2], 200.0, 0.0) == 0.0
-    assert claim_defer_s(128, 1, 1024, [1, 2], 200.0, 0.0) > 0  # as strict as one computing: no preemption
+def test_a_stricter_tier_than_anything_computing_is_left_briefly_to_a_peer_computing_no_prompt():
+    # An idle peer gives it steps nobody else waits for: it gets the time an idle peer takes to answer.
+    assert claim_defer_s(128, 0, 1024, [1, 2], 200.0, 0.0) == pytest.approx(IDLE_PEER_ANSWER_S)
+    assert claim_defer_s(128, 0, 1024, [1, 2], 200.0, 0.0, max_s=0.05) == pytest.approx(0.05)
+    assert claim_defer_s(128, 1, 1024, [1, 2], 200.0, 0.0) == CLAIM_DEFER_MAX_S  # as strict as one computing
+
+
+def test_a_stricter_tier_is_claimed_at_once_when_every_peer_computes_prompts():
+    # It would wait only for the step in progress here (its steps come first), and as long or longer there.
+    assert claim_defer_s(128, 0, 1024, [1, 2], 200.0, 0.01) == 0.0
+    assert claim_defer_s(128, 0, 1024, [1, 2], 200.0, None) == 0.0  # no peer at all
 
 
 def test_nothing_to_weigh_means_no_wait():
@@ -104,6 +113,26 @@ def test_a_peers_time_to_free_is_what_it_had_left_counted_from_its_beat():
     assert freest.free_s("x", "decode", 10.5) == 0.0
 
 
+def test_the_peer_computing_no_prompt_with_the_fewest_streams_and_never_oneself():
+    peers = [_peer("e0", "elastic", 0, running=3), _peer("e1", "elastic", 0, running=1),
+             _peer("busy", "elastic", 500, running=0), _peer("d0", "decode", 0, running=0),
+             _peer("full", "elastic", 0, running=8)]
+    freest = freest_peers(peers, prompt_budget=2048, prior_tokens_per_s=1000.0)
+    assert freest.fewest_streams("x", "prefill") == 1  # e1 (busy computes a prompt; d0 claims no prompts)
+    assert freest.fewest_streams("e1", "prefill") == 3
+    assert freest.fewest_streams("x", "decode") == 0  # d0
+    assert NO_PEERS.fewest_streams("x", "prefill") is None
+
+
+def test_a_long_prompt_is_left_to_a_peer_decoding_fewer_streams_for_as_long_as_an_idle_peer_takes():
+    assert long_prompt_defer_s(3, 1) == pytest.approx(IDLE_PEER_ANSWER_S)
+    assert long_prompt_defer_s(3, 0, max_s=0.05) == pytest.approx(0.05)
+    assert long_prompt_defer_s(1, 1) == 0.0  # as many: no one is better placed, claim it now
+    assert long_prompt_defer_s(0, 0) == 0.0
+    assert long_prompt_defer_s(3, None) == 0.0  # every peer computes (the rule above weighs that) or none
+    assert long_prompt_defer_s(3, 1, max_s=0.0) == 0.0  # the defer is off
+
+
 # -- the live worker ---------------------------------------------------------------------------------------
 
 
@@ -163,7 +192,9 @@ def test_the_live_worker_waits_only_for_a_freer_peer_and_counts_its_tokens_left(
     assert rt._claim_defer(HEAD) == pytest.approx(0.05)  # 950 left here against a fresh beat's 900
     rt.see_peers([_info("me", "prefill", 1000), _info("e1", "elastic", 0), _info("d1", "decode", 0)])
     assert rt._claim_defer(HEAD) == CLAIM_DEFER_MAX_S  # an idle peer of the stage (the decode worker is not one)
-    assert rt._claim_defer(replace(HEAD, tier="interactive")) == 0.0  # stricter: it may preempt
+    assert rt._claim_defer(replace(HEAD, tier="interactive")) == IDLE_PEER_ANSWER_S  # stricter: left to the idle peer
+    rt.see_peers([_info("me", "prefill", 1000), _info("p1", "prefill", 500)])
+    assert rt._claim_defer(replace(HEAD, tier="interactive")) == 0.0  # no idle peer: claimed now, it may preempt
     assert rt._claim_defer(replace(HEAD, prefill_tokens=0)) == 0.0  # a KV hand-off
 
 
@@ -173,6 +204,25 @@ def test_the_live_worker_counts_the_progress_its_engine_reports(monkeypatch):
     rt.see_peers([_info("e1", "elastic", 0)])
     assert rt._claim_defer(HEAD) == pytest.approx(0.12)  # 120 tokens left, at once
     assert rt._claim_defer(replace(HEAD, stage="decode")) == pytest.approx(0.12)  # an elastic peer takes either
+
+
+def test_an_elastic_worker_decoding_streams_leaves_a_long_prompt_to_a_peer_decoding_fewer(monkeypatch):
+    rt = _runtime(monkeypatch, role="elastic")
+    for rid in ("s1", "s2"):  # two streams decoding here, no prompt computing
+        stream = _hold(rt, rid, 100)
+        stream.serve_as = "decode"
+        stream.first_token()
+    rt.see_peers([_info("me", "elastic", 0), replace(_info("e1", "elastic", 0), running=1)])
+    assert rt._claim_defer(HEAD) == pytest.approx(IDLE_PEER_ANSWER_S)  # a long prompt (the prefill streams')
+    assert rt._claim_defer(replace(HEAD, stage="decode")) == 0.0  # a short one: where it finishes first
+    rt.see_peers([_info("me", "elastic", 0), replace(_info("e1", "elastic", 0), running=2)])
+    assert rt._claim_defer(HEAD) == 0.0  # the peer decodes as many
+    rt.see_peers([_info("me", "elastic", 0), replace(_info("e1", "elastic", 300), running=0)])
+    assert rt._claim_defer(HEAD) == 0.0  # the peer computes a prompt of its own
+    fixed = _runtime(monkeypatch, role="decode")
+    _hold(fixed, "s1", 100).first_token()
+    fixed.see_peers([_info("me", "decode", 0), replace(_info("d1", "decode", 0), running=0)])
+    assert fixed._claim_defer(replace(HEAD, stage="decode")) == 0.0  # a decode worker's prompts are all short
 
 
 def test_the_held_table_signals_when_a_prompt_frees_the_step_budget():

@@ -249,3 +249,53 @@ def test_hand_offs_spread_over_peers_when_every_worker_reads_the_same_heartbeats
     pair = [_peer("b", 3), _peer("c", 1)]
     assert {decoder_for("me", 5, pair, False, 0, spread=f"r{n}")[0] for n in range(50)} == {"c"}
     assert decoder_for("me", 5, view, False, 0)[0] == "p0"  # no key: the best of all, the first of equals
+
+
+async def test_a_hand_off_is_decoded_here_when_its_peer_has_started_a_long_prompt_since_the_last_beat(redis_url,
+                                                                                                       key_prefix):
+    """The peer is chosen on heartbeats up to two beats old (`_place_decode`); before computing the prompt for
+    it, the worker reads the peer's newest beat (which a worker announces as it starts a prompt, not at its
+    next beat): a peer computing a step's worth of prompt tokens would start the pull only after them."""
+    from dataclasses import replace
+
+    from skyline.core.fleet import WorkerInfo, heartbeat, read_worker
+    from skyline.core.streams import Claimed
+    from skyline.workers.held import HeldRequest, Phase
+    from skyline.workers.runtime import WorkerRuntime
+    from tests.test_rules_shared import _Engine, _config
+
+    cfg = _config("elastic")
+    cfg = replace(cfg, key_prefix=key_prefix, redis=replace(cfg.redis, url=redis_url))
+    rt = WorkerRuntime(cfg, _Engine(), "m")
+    step = cfg.engine.max_num_batched_tokens
+
+    def placed(rid: str) -> HeldRequest:
+        req = gen_request(rid, list(range(1, 300)), 4)
+        held = HeldRequest.of(Claimed("stream", "0-1", req.tier, req), Phase.COMPUTING)
+        held.serve_as, held.decode_on, held.decode_placed = "prefill", "elastic-peer", "peer_decodes_fewer"
+        return held
+
+    async def beat(computing: int) -> None:
+        await heartbeat(rt.redis, rt.keys, WorkerInfo(
+            worker_id="elastic-peer", role="elastic", engine="sim", model="m", host="h", pid=1, running=1, waiting=0,
+            kv_usage=0.0, started=0.0, last_seen=0.0, running_tokens=computing, max_running=8), 3)
+
+    try:
+        await beat(computing=step // 2)  # a short prompt leaves room in its next step: the hand-off stands
+        kept = placed("kept")
+        await rt._confirm_decoder(kept)
+        assert (kept.serve_as, kept.decode_on) == ("prefill", "elastic-peer")
+        await beat(computing=1_500)  # it has claimed a RAG prompt since
+        here = placed("here")
+        await rt._confirm_decoder(here)
+        assert (here.serve_as, here.decode_on, here.decode_placed) == ("decode", None, "peer_busy_now")
+        await rt.redis.delete(rt.keys.worker("elastic-peer"))  # gone
+        gone = placed("gone")
+        await rt._confirm_decoder(gone)
+        assert gone.serve_as == "decode"
+        # A worker that starts a prompt announces it between beats: its peers read it at once.
+        rt.held.add(placed("mine"))
+        await rt._announce()
+        assert (await read_worker(rt.redis, rt.keys, rt.worker_id)).running_tokens == 299
+    finally:
+        await rt.redis.aclose()

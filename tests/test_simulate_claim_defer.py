@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from skyline.core.config import load_config
+from skyline.scheduler.claiming import IDLE_PEER_ANSWER_S
 from skyline.tools.simulate.fleet import FleetSpec, Simulation, with_overrides
 from skyline.tools.simulate.request import SimRequest
 from tests.simmodels import HandModel
@@ -78,9 +79,28 @@ def test_with_the_defer_off_the_longest_waiting_worker_claims_at_once():
     assert claims[2] == ("elastic-0", 0.01)  # the case above, as the simulator had it before the defer
 
 
-def test_a_stricter_tier_than_anything_computing_is_claimed_at_once():
+def test_a_stricter_tier_goes_to_the_engine_computing_no_prompt():
+    """elastic-0 computes a 2,000-token prompt, elastic-1 nothing: a chat of the interactive tier is left to
+    elastic-1, which takes it at once, instead of holding elastic-0's prompt for its steps."""
+    claims = _claims([_request(0, 0.0, 2_000), _request(1, 0.5, 300, tier="interactive")])
+    assert claims[0][0] == "elastic-0"
+    assert claims[1] == ("elastic-1", 0.5)
+
+
+def test_a_stricter_tier_is_claimed_at_once_where_every_engine_computes():
+    """Past the heartbeat of 1 s, which saw both engines computing: the chat is claimed at its arrival (it
+    would preempt), not left to a peer that is not idle."""
+    claims = _claims([_request(0, 0.9, 1_900), _request(1, 0.95, 1_000), _request(2, 1.05, 300, tier="interactive")])
+    assert claims[2][1] == 1.05
+
+
+def test_a_stricter_tier_waits_for_an_idle_peer_no_longer_than_an_idle_peer_takes_to_answer():
+    """The heartbeats of 0 s show both engines free, but both compute by 0.01 s: each leaves the chat to the
+    other for at most `IDLE_PEER_ANSWER_S`, and elastic-1, whose 100-token prompt is done at 0.101 s, claims
+    it then (a worker stops waiting when one of its prompts is done)."""
     claims = _claims([*BUSY_FIRST, _request(2, 0.01, 300, tier="interactive")])
-    assert claims[2] == ("elastic-0", 0.01)  # it may preempt: no wait, whoever waited longest
+    assert claims[2] == ("elastic-1", pytest.approx(0.001 + 100 / RATE))
+    assert claims[2][1] - 0.01 <= IDLE_PEER_ANSWER_S
 
 
 def test_a_worker_without_peers_never_waits():
@@ -100,3 +120,26 @@ def test_a_waiting_worker_claims_as_soon_as_its_prompt_is_done():
     reqs = [_request(0, 0.0, 1_000), _request(1, 0.001, 1_000), _request(2, 0.3, 300)]
     claims = _claims(reqs, model=fast)
     assert claims[2] == ("elastic-0", pytest.approx(0.5))
+
+
+def test_a_simulated_elastic_worker_leaves_a_long_prompt_to_a_peer_decoding_fewer_streams():
+    """`preempt.claim_defer` for a worker computing nothing: an elastic one decoding streams waits for the idle
+    peer that decodes fewer (`claiming.long_prompt_defer_s`) on the prefill stage's prompts only, as the live
+    `WorkerRuntime._claim_defer`; `may_defer` lets it ask."""
+    from types import SimpleNamespace
+
+    from skyline.scheduler.claiming import FreestPeers
+    from skyline.tools.simulate.preempt import claim_defer
+
+    sim = Simulation(CFG, FleetSpec("elastic", 0, 2), MODEL, MODEL)
+    sim.freest = FreestPeers(idle_by_stage={"prefill": ((0, "elastic-1"), (2, "elastic-0")),
+                                            "decode": ((0, "elastic-1"), (2, "elastic-0"))})
+    me = sim.decode_workers[0]
+    me.streams = lambda: 2  # type: ignore[method-assign]
+    long = (_request(0, 0.0, 1_500), None)
+    assert me.may_defer()
+    assert claim_defer(me, sim.prefill_q, long, []) == pytest.approx(IDLE_PEER_ANSWER_S)
+    assert claim_defer(me, sim.decode_q, long, []) == 0.0  # a short prompt's stage: where it finishes first
+    assert claim_defer(me, sim.prefill_q, (long[0], SimpleNamespace()), []) == 0.0  # a KV hand-off
+    me.streams = lambda: 0  # type: ignore[method-assign]
+    assert not me.may_defer() and claim_defer(me, sim.prefill_q, long, []) == 0.0

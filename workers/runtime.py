@@ -36,16 +36,16 @@ from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
 from skyline.core import messages, redisconn
 from skyline.core.config import SkylineConfig
-from skyline.core.fleet import WorkerInfo, deregister, heartbeat, list_workers
+from skyline.core.fleet import WorkerInfo, deregister, heartbeat, list_workers, read_worker
 from skyline.core.keys import Keys, keyspace_of
 from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
 from skyline.scheduler.claiming import (NO_PEERS, RECHECK_S, ClaimRoom, ClaimShield, FreestPeers, claim_defer_s,
-                                        freest_peers, tokens_left)
+                                        freest_peers, long_prompt_defer_s, tokens_left)
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, tightest_target_ms
 from skyline.scheduler.edf import pick_tier
-from skyline.scheduler.elastic import decoder_for
+from skyline.scheduler.elastic import decoder_for, has_room
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
@@ -92,6 +92,7 @@ class WorkerRuntime:
         self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
         self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
         self.freest: FreestPeers = NO_PEERS  # the peers that free their engines first, of `peers` (claim defer)
+        self._announcing: set[asyncio.Task] = set()  # heartbeats between beats (`_announce`)
         self.prefill_backlog = 0  # prompt tokens queued or computing for the prefill stage, same age
         self.held = HeldTable()  # every request this worker holds, one record each (workers/held.py)
         self.meter = ThroughputMeter()  # prompt tokens per busy second of the prompts computed here
@@ -222,7 +223,11 @@ class WorkerRuntime:
         if not head.prefill_tokens or self.cfg.worker.claim_defer_max_s <= 0:
             return 0.0
         if not self.held.computing_prompts():
-            return 0.0
+            if not self.elastic or head.stage != "prefill":
+                return 0.0
+            streams = sum(1 for h in self.held if h.serve_as == "decode")
+            return long_prompt_defer_s(streams, self.freest.fewest_streams(self.worker_id, "prefill"),
+                                       self.cfg.worker.claim_defer_max_s)
         peer_free_s = self.freest.free_s(self.worker_id, head.stage or self.stages[0], time.time())
         if peer_free_s is None:
             return 0.0  # no peer would take it sooner (the rate is not asked for when there is nothing to decide)
@@ -449,6 +454,28 @@ class WorkerRuntime:
         if self.elastic and held.stage == "prefill":
             self._place_decode(held)
         self.hold(held, asyncio.create_task(self._serve(held, room), name=f"{self.role}:{held.request_id}"))
+        if held.computing and self.reads_peers:
+            # Its peers place hand-offs and defer claims on this worker's heartbeat: a prompt it starts
+            # now changes both, and a beat can be a second away (`_announce`).
+            task = asyncio.create_task(self._announce())
+            self._announcing.add(task)
+            task.add_done_callback(self._announcing.discard)
+
+    async def _confirm_decoder(self, held: HeldRequest) -> None:
+        """Check the peer a hand-off was placed for (`_place_decode`, on views up to two beats old) on its
+        newest heartbeat before computing the prompt for it: a peer that has started prompts of its own
+        since would start the pull only after them (`elastic.has_room`; seen on the mixed chat + RAG
+        benchmark: chats handed to a peer that had just claimed a 1,500-token prompt waited 1.5-5 s for
+        their KV). Then the prompt is decoded here, as when no peer has room."""
+        try:
+            peer = await read_worker(self.redis, self.keys, held.decode_on or "")
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            return  # the hand-off's own Redis calls meet the same outage
+        if peer is None or not has_room(peer, self.cfg.worker.prefill_token_budget,
+                                        self.cfg.engine.max_num_batched_tokens):
+            held.serve_as, held.decode_on, held.decode_placed = "decode", None, "peer_busy_now"
+            self.timeline.emit(held.request_id, "decode_placed", on=self.worker_id, why="peer_busy_now",
+                               streams_here=sum(1 for h in self.held if h.serve_as == "decode"))
 
     async def _serve(self, held: HeldRequest, room: asyncio.Event) -> None:
         """One held request's task, from its claim to its release: the role's handler, and what each
@@ -456,6 +483,8 @@ class WorkerRuntime:
         rid = held.request_id
         held.tombstone = asyncio.create_task(self._cancel_if_tombstoned(held))
         try:
+            if held.decode_on:
+                await self._confirm_decoder(held)
             if held.serve_as == "prefill":
                 # What a prefill makes (KV blocks, a handle) outlives it: ask first. A decode asks beside
                 # its first steps, saving every request a round trip before its first token: all it makes
@@ -544,7 +573,12 @@ class WorkerRuntime:
 
     # -- side loops --------------------------------------------------------------
 
-    async def _beat(self) -> None:
+    @property
+    def reads_peers(self) -> bool:
+        """Does it read its peers' heartbeats (elastic placement, the claim defer), and they its?"""
+        return self.elastic or self.cfg.worker.claim_defer_max_s > 0
+
+    def _fill_info(self) -> None:
         s = self.engine.stats()
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.held), s.waiting, s.kv_usage
         self.info.running_tokens = self.rules.running_tokens(self.held)
@@ -552,9 +586,20 @@ class WorkerRuntime:
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0
+
+    async def _announce(self) -> None:
+        """Heartbeat now, between beats: the load numbers only (one pipelined write)."""
+        try:
+            self._fill_info()
+            await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            pass  # the next beat retries
+
+    async def _beat(self) -> None:
+        self._fill_info()
         await self.adapter_keeper.beat()  # the adapters its engine holds; those unloaded from the fleet dropped
         await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
-        if self.elastic or self.cfg.worker.claim_defer_max_s > 0:
+        if self.reads_peers:
             # What placing a prompt's decode (`_place_decode`) and the claim defer read, as fresh as the heartbeat.
             # Its own model's workers only: another model's engines cannot take this model's prompts.
             self.see_peers([w for w in await list_workers(self.redis, self.keys, 3 * self.cfg.worker.heartbeat_s)

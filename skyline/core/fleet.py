@@ -85,25 +85,29 @@ async def list_workers(r: aioredis.Redis, keys: Keys, liveness_s: float) -> list
     pipe = r.pipeline(transaction=False)
     for worker_id in ids:
         pipe.hgetall(keys.worker(worker_id))
-    out = []
-    for raw in await pipe.execute():
-        if not raw:
-            continue
-        d = {k.decode(): v.decode() for k, v in raw.items()}
-        out.append(
-            WorkerInfo(
-                worker_id=d["worker_id"], role=d["role"], engine=d["engine"], model=d["model"], host=d["host"],
-                pid=int(d["pid"]), running=int(d["running"]), waiting=int(d["waiting"]),
-                kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
-                running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
-                left_tokens=int(d.get("left_tokens", d.get("running_tokens", 0))),
-                address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
-                nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
-                cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
-                adapters=d.get("adapters", ""), lora_slots=int(d.get("lora_slots", 0)),
-                adapter_load_ms=float(d.get("adapter_load_ms", 0.0)), adapter_loads=int(d.get("adapter_loads", 0)),
-                keyspace=d.get("keyspace", ""), model_path=d.get("model_path", ""),
-                max_model_len=int(d.get("max_model_len", 0)),
-            )
-        )
-    return out
+    return [_info_of(raw) for raw in await pipe.execute() if raw]
+
+
+async def read_worker(r: aioredis.Redis, keys: Keys, worker_id: str) -> WorkerInfo | None:
+    """One worker's newest heartbeat (None: gone), for a decision that must not wait for the next beat's
+    `list_workers`."""
+    raw = await r.hgetall(keys.worker(worker_id))
+    return _info_of(raw) if raw else None
+
+
+def _info_of(raw: dict) -> WorkerInfo:
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    return WorkerInfo(
+        worker_id=d["worker_id"], role=d["role"], engine=d["engine"], model=d["model"], host=d["host"],
+        pid=int(d["pid"]), running=int(d["running"]), waiting=int(d["waiting"]),
+        kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
+        running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
+        left_tokens=int(d.get("left_tokens", d.get("running_tokens", 0))),
+        address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
+        nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
+        cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),
+        adapters=d.get("adapters", ""), lora_slots=int(d.get("lora_slots", 0)),
+        adapter_load_ms=float(d.get("adapter_load_ms", 0.0)), adapter_loads=int(d.get("adapter_loads", 0)),
+        keyspace=d.get("keyspace", ""), model_path=d.get("model_path", ""),
+        max_model_len=int(d.get("max_model_len", 0)),
+    )

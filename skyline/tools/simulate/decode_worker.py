@@ -194,7 +194,7 @@ class DecodeWorker:
         """(stage queue, entry, seconds) when the worker's next claim, from `q` (default: the stage it would
         claim from), waits before it is made (`preempt.claim_defer`: its engine computes prompts); None when
         it claims at once."""
-        if not self.local_tokens or not self.defers:
+        if not self.may_defer():
             return None
         if q is None:
             q = self.queue_to_claim()
@@ -213,7 +213,15 @@ class DecodeWorker:
 
     def wait_for(self, q: StageQueues, item: tuple) -> float:
         """Seconds the worker would wait before claiming entry `item` of `q` (0: it claims it now)."""
-        return claim_defer(self, q, item, self.local) if self.local else 0.0
+        return claim_defer(self, q, item, self.local) if self.may_defer() else 0.0
+
+    def may_defer(self) -> bool:
+        """Could its next claim wait (`preempt.claim_defer`)? Its engine computes prompts."""
+        return self.defers and self.local_tokens > 0
+
+    def idle_claim_defer(self, q: StageQueues) -> float:
+        """The claim defer of a worker whose engine computes no prompt: none (`ElasticWorker`: a long prompt)."""
+        return 0.0
 
     def _sleep(self, q: StageQueues, wait: float) -> None:
         """Wait `wait` s before the next claim (live: `TierQueues.claim` sleeps), out of the ready queue."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from skyline.scheduler.elastic import decoder_for, stage_due_first
+from skyline.scheduler.claiming import long_prompt_defer_s
+from skyline.scheduler.elastic import decoder_for, has_room, stage_due_first
 from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.request import SimRequest
 
@@ -55,6 +56,20 @@ class ElasticWorker(DecodeWorker):
                 return None
             max_rank = None
 
+    def may_defer(self) -> bool:
+        """Its engine computes prompts, or decodes streams that a long prompt would slow
+        (`claiming.long_prompt_defer_s`)."""
+        return self.defers and (self.local_tokens > 0 or self.streams() > 0)
+
+    def idle_claim_defer(self, q: StageQueues) -> float:
+        """Computing no prompt: a long prompt (the prefill stage's) waits for an idle peer decoding fewer
+        streams (`claiming.long_prompt_defer_s`; live: `WorkerRuntime._claim_defer`)."""
+        sim = self.sim
+        if q is not sim.prefill_q:
+            return 0.0
+        return long_prompt_defer_s(self.streams(), sim.freest.fewest_streams(self.name, "prefill"),
+                                   sim.worker_cfg.claim_defer_max_s)
+
     def streams(self) -> int:
         """Requests decoded here or to be (live: held with serve_as "decode"), what `decoder_for` weighs."""
         return self.B + self.arriving + len(self.joining) + sum(1 for h in self.local if h.hand_to is None)
@@ -72,6 +87,9 @@ class ElasticWorker(DecodeWorker):
                                 sim.worker_cfg.prefill_token_budget, spread=str(req.index),
                                 step_tokens=self.perf.max_step_tokens, prompt_tokens=req.prompt_tokens,
                                 min_move_tokens=sim.disagg.min_remote_prefill_tokens)
+        if peer is not None and not has_room(sim.beat_now(peer), sim.worker_cfg.prefill_token_budget,
+                                             self.perf.max_step_tokens):
+            peer, why = None, "peer_busy_now"  # live: `WorkerRuntime._confirm_decoder`, on the peer's newest beat
         sim.counters[why] = sim.counters.get(why, 0) + 1
         if peer is None:
             super().take(item, q, now)  # served whole: computed and decoded here

@@ -428,18 +428,29 @@ class Simulation:
             peer.left_tokens = left_tokens(w, w.held, measured_rate(w)) if w.held else 0
             peer.last_seen = self.loop.now
         for w, peer in zip(self.decode_workers, self._decode_peers):
-            peer.running = w.B + w.arriving + len(w.local) + len(w.joining)
-            peer.kv_usage = (w.C + w.reserved) / w.kv_capacity
-            peer.running_tokens = w.local_tokens
-            peer.tokens_per_s = w.rate_cache[1]
-            peer.left_tokens = left_tokens(w, w.local, measured_rate(w)) if w.local else 0
-            peer.last_seen = self.loop.now
+            self._beat_of(w, peer)
         if self.defers:  # what each worker's claim defer reads until the next beat (live: `see_peers`)
             wc = self.worker_cfg
             self.freest = freest_peers(self.peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
+
+    def _beat_of(self, w: Any, peer: SimpleNamespace) -> SimpleNamespace:
+        """Fill `peer` with decode worker `w`'s heartbeat as of now (live: `WorkerRuntime._fill_info`)."""
+        peer.running = w.B + w.arriving + len(w.local) + len(w.joining)
+        peer.kv_usage = (w.C + w.reserved) / w.kv_capacity
+        peer.running_tokens = w.local_tokens
+        peer.tokens_per_s = w.rate_cache[1]
+        peer.left_tokens = left_tokens(w, w.local, measured_rate(w)) if w.local else 0
+        peer.last_seen = self.loop.now
+        return peer
+
+    def beat_now(self, worker_id: str) -> SimpleNamespace:
+        """A decode worker's newest heartbeat, between beats (live: a worker announces a prompt it starts,
+        and an elastic worker reads its chosen peer's beat before handing it a prompt)."""
+        k = next(i for i, w in enumerate(self.decode_workers) if w.name == worker_id)
+        return self._beat_of(self.decode_workers[k], SimpleNamespace(**vars(self._decode_peers[k])))
 
     def _arm_preemption(self) -> None:
         if not self._preempt_armed:

@@ -113,9 +113,11 @@ def claim_defer(worker: PrefillWorker | DecodeWorker, q: StageQueues, item: tupl
     claim_defer_s`), its engine computing the prompts of handles `held` (each with `.req` and `.claimed_at`)
     at its prefill rate (`measured_rate`, as its preemption asks), against the freest peer of the stage as
     the heartbeats said (`Simulation.freest`): the live `WorkerRuntime._claim_defer`. 0: claim it now."""
-    if not held or item[1] is not None:
-        return 0.0  # nothing computing, or KV to pull (no prompt to compute): the rate is not asked, as live
     sim = worker.sim
+    if item[1] is not None:
+        return 0.0  # KV to pull (no prompt to compute): the rate is not asked, as live
+    if not held:
+        return worker.idle_claim_defer(q)  # an elastic worker's streams may weigh a long prompt
     peer_free_s = sim.freest.free_s(worker.name, q.stage, sim.loop.now)
     if peer_free_s is None:
         return 0.0  # no peer would take it sooner
