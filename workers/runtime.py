@@ -160,6 +160,7 @@ class WorkerRuntime:
             await self._claim_loop()
             await self._drain()
         finally:
+            side += self._announcing  # a beat still on its way must not land after the deregistration
             for t in side:
                 t.cancel()
             # Each step of the way out is bounded: a stop that hangs on one of them would hold the
@@ -589,6 +590,8 @@ class WorkerRuntime:
 
     async def _announce(self) -> None:
         """Heartbeat now, between beats: the load numbers only (one pipelined write)."""
+        if self.left_fleet:
+            return  # deregistered: a beat now would announce a worker that is gone
         try:
             self._fill_info()
             await heartbeat(self.redis, self.keys, self.info, self.cfg.worker.heartbeat_ttl_s)
