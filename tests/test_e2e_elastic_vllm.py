@@ -27,8 +27,12 @@ def fleet(redis_url, tmp_path_factory):
     f = Fleet(redis_url, "e2e-elastic", "vllm", tmp_path_factory.mktemp("elastic-logs"), ["--model", "default"],
               gateway_args=())
     cores = sorted(os.sched_getaffinity(0))
-    workers = {"elastic-0": ("elastic", "--cpu-bind", str(cores[0])),
-               "elastic-1": ("elastic", "--cpu-bind", str(cores[-1]))}
+    # 1024-token steps: a decode is handed only to a peer whose next step has room beside its own prompts
+    # (`elastic.has_room`, on the peer's newest heartbeat), and with the default 256-token step a peer
+    # computing one of the ~450-token prompts below never has; this test is about the text, not the rule.
+    step = ("--max-num-batched-tokens", "1024")
+    workers = {"elastic-0": ("elastic", "--cpu-bind", str(cores[0]), *step),
+               "elastic-1": ("elastic", "--cpu-bind", str(cores[-1]), *step)}
     with f.running(workers, timeout_s=600):
         yield f
 
