@@ -226,8 +226,7 @@ class WorkerRuntime:
         if not self.held.computing_prompts():
             if not self.elastic or head.stage != "prefill":
                 return 0.0
-            streams = sum(1 for h in self.held if h.serve_as == "decode")
-            return long_prompt_defer_s(streams, self.freest.fewest_streams(self.worker_id, "prefill"),
+            return long_prompt_defer_s(self._streams(), self.freest.fewest_streams(self.worker_id, "prefill"),
                                        self.cfg.worker.claim_defer_max_s)
         peer_free_s = self.freest.free_s(self.worker_id, head.stage or self.stages[0], time.time())
         if peer_free_s is None:
@@ -418,11 +417,16 @@ class WorkerRuntime:
                 await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
             self._start(held, room)
 
+    def _streams(self) -> int:
+        """Requests it decodes, or will (held to be served as decode work): what placing a decode and the
+        long-prompt defer weigh."""
+        return sum(1 for h in self.held if h.serve_as == "decode")
+
     def _place_decode(self, held: HeldRequest) -> None:
         """An elastic worker's prompt from the prefill streams: decode it here (served whole, no KV
         moves) or on a peer (computed here, its KV handed to that peer): scheduler/elastic.py."""
         mine = sum(h.prompt_tokens for h in self.held if h.stage == "prefill") + held.claimed.prefill_tokens
-        streams = sum(1 for h in self.held if h.serve_as == "decode")  # decoded here, or to be
+        streams = self._streams()
         peer, why = decoder_for(self.worker_id, streams, self.peers, self.prefill_backlog > mine,
                                 self.cfg.worker.prefill_token_budget, spread=held.request_id,
                                 step_tokens=self.cfg.engine.max_num_batched_tokens,
@@ -476,7 +480,7 @@ class WorkerRuntime:
                                         self.cfg.engine.max_num_batched_tokens):
             held.serve_as, held.decode_on, held.decode_placed = "decode", None, "peer_busy_now"
             self.timeline.emit(held.request_id, "decode_placed", on=self.worker_id, why="peer_busy_now",
-                               streams_here=sum(1 for h in self.held if h.serve_as == "decode"))
+                               streams_here=self._streams())
 
     async def _serve(self, held: HeldRequest, room: asyncio.Event) -> None:
         """One held request's task, from its claim to its release: the role's handler, and what each

@@ -194,6 +194,7 @@ class Simulation:
                       for role, pool in (("prefill", self.prefill_workers), (decode_role, self.decode_workers))
                       for w in pool]
         self._decode_peers = self.peers[len(self.prefill_workers):]
+        self._beat_by_name = {w.name: beat for w, beat in zip(self.decode_workers, self._decode_peers)}
         self.freest: FreestPeers = NO_PEERS
         self._preempt_pools: tuple = (((BothStages(self.prefill_q, self.decode_q), self.decode_workers),)
                                       if self.elastic else
@@ -449,8 +450,7 @@ class Simulation:
     def beat_now(self, worker_id: str) -> SimpleNamespace:
         """A decode worker's newest heartbeat, between beats (live: a worker announces a prompt it starts,
         and an elastic worker reads its chosen peer's beat before handing it a prompt)."""
-        k = next(i for i, w in enumerate(self.decode_workers) if w.name == worker_id)
-        return self._beat_of(self.decode_workers[k], SimpleNamespace(**vars(self._decode_peers[k])))
+        return self._beat_of(self.workers[worker_id], SimpleNamespace(**vars(self._beat_by_name[worker_id])))
 
     def _arm_preemption(self) -> None:
         if not self._preempt_armed:
