@@ -16,6 +16,14 @@ chunks run (a few steps, even for a long RAG prompt); a short window would
 stop claims at every long prompt and leave the chats behind it waiting in the
 stream. Sustained overload (a batch too large for the targets) shows in a 10 s
 mean; a burst of chunks does not.
+
+The rule holds a request back no longer than its latest start (`paced_claim_due`,
+scheduler/edf.py `start_by_ms`): past it, a request left waiting misses its TTFT
+target for certain, while the streams it would join may still keep theirs. With
+every engine of a fleet paced out (the mixed chat + RAG benchmark at 0.8 req/s on
+two one-core elastic engines), the queue otherwise waited for a stream to finish
+and RAG prompts 4-12 s past their start: attainment 27% with the rule as it was,
+47% without the rule at all.
 """
 
 from __future__ import annotations
@@ -83,3 +91,9 @@ def tightest_target_ms(held: Iterable[tuple[int, bool]]) -> int | None:
     carries its tier's TPOT only as a default: holding the engine's pace to it would leave prefill capacity
     idle while prompts wait, where `vllm serve` takes them."""
     return min((tpot for tpot, best_effort in held if not best_effort), default=None)
+
+
+def paced_claim_due(start_by_ms: int, now_ms: int) -> bool:
+    """May a worker the pace rule holds back (`pace_allows` False, every other limit open) claim a head that
+    must start by `start_by_ms` to meet its TTFT deadline? Only once that time has come."""
+    return start_by_ms <= now_ms

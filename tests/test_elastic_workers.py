@@ -8,6 +8,7 @@ from skyline.core.keys import Keys
 from skyline.core.timeline import read_timeline
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet, wait_registered
+from skyline.core.streams import now_ms
 from tests.test_worker_flow import gen_request, run_request
 
 # A prompt token costs 1 ms, a decode step 20 ms: prompts and streams overlap as on a real engine.
@@ -299,3 +300,46 @@ async def test_a_hand_off_is_decoded_here_when_its_peer_has_started_a_long_promp
         assert (await read_worker(rt.redis, rt.keys, rt.worker_id)).running_tokens == 299
     finally:
         await rt.redis.aclose()
+
+
+def _timed_request(rid: str, prompt_tokens: int, max_tokens: int, due_in_ms: int, tpot_ms: int) -> m.GenerateRequest:
+    t = now_ms()
+    return m.GenerateRequest(rid, "skyline-sim", list(range(1, prompt_tokens + 1)),
+                             m.SamplingSpec(max_tokens=max_tokens), "interactive", t, t + due_in_ms, due_in_ms, tpot_ms,
+                             route="colocated")
+
+
+async def test_the_pace_rule_holds_a_request_back_only_until_its_latest_start(redis_url, key_prefix):
+    """An engine whose streams run slower than their TPOT targets allow (the pace rule,
+    scheduler/decode_room.py) claims no new work, except a request that must start now to meet its TTFT
+    deadline: past its latest start, waiting would only make it late."""
+    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "p", roles=("elastic",))
+    keys = Keys(key_prefix)
+    done: dict[str, float] = {}
+
+    async def serve(req: m.GenerateRequest) -> list:
+        frames = await run_request(client, keys, req, timeout_s=30)
+        done[req.request_id] = asyncio.get_running_loop().time()
+        return frames
+
+    try:
+        await wait_registered(client, key_prefix, 1)
+        # Two streams with a 1 ms TPOT target, ~4 s of 20 ms steps: the engine is paced out while they run.
+        streams = [asyncio.create_task(serve(_timed_request(f"stream-{i}", 20, 200, 5_000, 1))) for i in range(2)]
+        for _ in range(200):
+            if len(rts[0].held) == 2 and not rts[0].has_room():
+                break
+            await asyncio.sleep(0.05)
+        assert not rts[0].has_room(), "the streams never ran slower than their targets"
+        # A claim that began with room waits up to 500 ms for an entry (`TierQueues.claim`): let it end.
+        await asyncio.sleep(0.6)
+        # Due in 40 ms (its latest start is now) and due in a minute (it can wait for a stream to end).
+        due = asyncio.create_task(serve(_timed_request("due-now", 10, 1, 40, 250)))
+        later = asyncio.create_task(serve(_timed_request("due-later", 10, 1, 60_000, 250)))
+        results = await asyncio.gather(*streams, due, later)
+        assert all(isinstance(frames[-1], m.Finished) for frames in results), [f[-1] for f in results]
+        first_stream_done = min(done["stream-0"], done["stream-1"])
+        assert done["due-now"] < first_stream_done - 1.0, done  # claimed while paced out
+        assert done["due-later"] > first_stream_done, done  # held back until the engine had room
+    finally:
+        await stop_fleet(client, rts, tasks)

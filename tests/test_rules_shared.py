@@ -97,6 +97,14 @@ def _generate_request(req: SimRequest, arrival_ms: int, deadline_ms: int, ttft_m
         preemptions=req.preemptions)
 
 
+def _fields(item: tuple) -> dict:
+    """A simulated entry as the live streams hold it: its deadline, its prompt, and the prompt tokens its
+    claimer computes (none for decode work with a KV handle)."""
+    req = item[0]
+    return {b"deadline_ms": int(req.deadline * 1000), b"prompt_tokens": req.prompt_tokens,
+            b"prefill_tokens": req.backlog_tokens if item[1] is None else 0}
+
+
 class _Task:
     """Stands for the asyncio task of a request the live worker holds (only its identity matters)."""
 
@@ -138,8 +146,7 @@ class LiveTwin:
                               (self.q.retry[tier], keys.retry_stream(stage, tier))):
                 if lane:
                     head = lane[0][0]
-                    entries.append((key, {b"deadline_ms": int(head.deadline * 1000),
-                                          b"prompt_tokens": head.prompt_tokens}))
+                    entries.append((key, _fields(lane[0])))
                     owner[key] = head
         return self.rt.queues.heads_of(entries), owner
 
@@ -149,7 +156,7 @@ class LiveTwin:
         heads, owner = self._heads()
         while True:
             tiers = self.rt._claimable_tiers()
-            tier = self.rt.queues.pick(heads, tiers)
+            tier = self.rt.queues.pick(heads, tiers, self.rt.tokens_per_s())
             if tier is not None:
                 return owner[heads[tier].stream]
             if tiers is None or not self.rt.claims.found_nothing(self.rt.computing_ranks()):
@@ -265,6 +272,24 @@ def _watch_room(worker, twin: LiveTwin, log: list) -> None:
         return sim
 
     worker.has_room = has_room
+    real_paced = getattr(worker, "paced_due", None)
+    if real_paced is None:
+        return
+
+    def paced_due():
+        """A worker full by the pace rule alone claims the head that must start now (live: `paced_out` and the
+        claim's `due_by_ms`): the same verdict and the same head."""
+        q = real_paced()
+        now_ms = int(worker.sim.loop.now * 1000)
+        if q is not None:
+            assert twin.rt.paced_out(), f"the live worker is not paced out at {worker.sim.loop.now:.3f} s"
+            heads, owner = twin._heads()
+            tier = twin.rt.queues.pick(heads, twin.rt._claimable_tiers(), twin.rt.tokens_per_s(), due_by_ms=now_ms)
+            assert tier is not None, f"no head is due for the live worker at {worker.sim.loop.now:.3f} s"
+            log.append(("paced_claim", _rid(owner[heads[tier].stream])))
+        return q
+
+    worker.paced_due = paced_due
 
 
 # -- the prefill worker: room, preemption, shield, the measured rate -----------------------------------------
@@ -322,7 +347,8 @@ def test_the_prefill_worker_decides_as_the_live_one(monkeypatch):
 
 
 def _decode_scenario(monkeypatch, steps: bool):
-    cfg = _config("decode", max_running=8, prefill_token_budget=700, tpot_headroom=0.9)
+    # (tpot_headroom 1.2: paced out now and then, with room between for claims that weigh a peer)
+    cfg = _config("decode", max_running=8, prefill_token_budget=700, tpot_headroom=1.2)
     cfg = replace(cfg, engine=replace(cfg.engine, max_num_batched_tokens=256))
     sim = Simulation(cfg, FleetSpec("disagg", 1, 1), HandModel("p", 2_000.0, max_step_tokens=256),
                      _SmallKv("d", 1_000.0, max_step_tokens=256, step_s=0.04, s_per_context_token=2e-6))
@@ -465,6 +491,7 @@ def test_the_decode_worker_decides_as_the_live_one(monkeypatch):
     defers = {v for k, v in log if k == "defer"}
     assert 0.0 in defers and any(d > 0 for d in defers), defers  # waits before a claim, and none
     assert any(k == "no_freer_peer" for k, _v in log)  # the peer busier: claimed at once
+    assert any(k == "paced_claim" for k, _v in log)  # paced out, a head that had to start now was claimed
 
 
 def test_the_decode_engine_shapes_its_steps_as_the_live_scheduler_hook(monkeypatch):
@@ -705,7 +732,7 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
 
     real_claim_as = sim_queues.StageQueues.claim_as
 
-    def claim_as(q, me, now_ms, max_rank=None):
+    def claim_as(q, me, now_ms, max_rank=None, rate=0.0):
         tq = live_streams.TierQueues(None, keys, q.stage, cfg.tiers, me)
         tq.live = set(sim.workers)
         entries, owner = [], {}
@@ -719,15 +746,15 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
         for _t, key, lane in lanes:
             if lane:
                 head = lane[0][0]
-                fields = {b"deadline_ms": int(head.deadline * 1000), b"prompt_tokens": head.prompt_tokens}
+                fields = _fields(lane[0])
                 if key in tq.holder_of:
                     fields[b"until_ms"] = head.until_ms
                 entries.append((key, fields))
                 owner[key] = head
         heads = tq.heads_of(entries)
-        tier = tq.pick(heads)
+        tier = tq.pick(heads, None, rate)
         live = owner[heads[tier].stream] if tier else None
-        item = real_claim_as(q, me, now_ms, max_rank)
+        item = real_claim_as(q, me, now_ms, max_rank, rate)
         got = item[0] if item else None
         assert got is live, (f"claims differ at {now_ms} ms for {me}: simulated {got and _rid(got)}, "
                              f"live {live and _rid(live)}")

@@ -2,7 +2,8 @@ import pytest
 
 from skyline.scheduler.admission import AdmissionPolicy, TtftCalibration, decide, handoff_wait_ms, prefill_is_faster
 from skyline.scheduler.disagg import DisaggPolicy, route
-from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.decode_room import paced_claim_due
+from skyline.scheduler.edf import pick_tier, start_by_ms
 from skyline.scheduler.tiers import DEFAULT_TIERS, SloError, TierNotAllowed, allowed_tiers, resolve_slo, tier_for_ttft
 
 ORDER = ("interactive", "standard", "batch")
@@ -16,6 +17,36 @@ def test_edf_picks_the_earliest_head_deadline():
 def test_edf_ties_go_to_the_stricter_tier_and_empty_is_none():
     assert pick_tier({"batch": 7, "interactive": 7, "standard": 7}, ORDER) == "interactive"
     assert pick_tier({}, ORDER) is None
+
+
+def test_a_head_must_start_its_prompt_time_before_its_deadline():
+    # 1,500 prompt tokens at 300 tokens/s take 5 s: due at 10 s, it must start by 5 s.
+    assert start_by_ms(10_000, 1_500, 300.0) == 5_000
+    assert start_by_ms(10_000, 0, 300.0) == 10_000  # a KV hand-off computes no prompt
+    assert start_by_ms(10_000, 1_500, 0.0) == 10_000  # no rate: the deadline
+
+
+def test_a_long_prompt_goes_before_short_ones_due_earlier_once_it_must_start_first():
+    # The mixed benchmark's case: a RAG prompt (1,500 tokens, 7.1 s target) queued at 0 and chats
+    # (150 tokens, 574 ms target) arriving after it, engines computing 300 tokens/s.
+    rate = 300.0
+    rag = start_by_ms(7_100, 1_500, rate)  # 2,100 ms
+
+    def chat(arrived_ms: int) -> int:
+        return start_by_ms(arrived_ms + 574, 150, rate)  # arrival + 74 ms
+
+    # By deadline every chat of the next 6.5 s goes first; by latest start only those that must start sooner.
+    assert pick_tier({"interactive": 6_000 + 574, "standard": 7_100}, ORDER) == "interactive"
+    assert pick_tier({"interactive": chat(2_000), "standard": rag}, ORDER) == "interactive"
+    assert pick_tier({"interactive": chat(2_100), "standard": rag}, ORDER) == "standard"
+    # Equal sizes: the same order as by deadline.
+    assert (start_by_ms(500, 100, rate) < start_by_ms(600, 100, rate)) is (500 < 600)
+
+
+def test_a_worker_the_pace_rule_holds_back_claims_only_what_must_start_now():
+    assert paced_claim_due(start_by_ms=1_000, now_ms=1_000)
+    assert paced_claim_due(start_by_ms=900, now_ms=1_000)
+    assert not paced_claim_due(start_by_ms=1_001, now_ms=1_000)
 
 
 def test_slo_defaults_come_from_the_tier():

@@ -81,6 +81,14 @@ def test_preempts_the_least_urgent_requests_until_the_head_fits():
     assert choose_victims(PreemptionPolicy(), running, head, now_ms=0, tokens_per_s=1000) == ["b-late", "b-early"]
 
 
+def test_a_prompt_past_its_latest_start_is_not_aborted():
+    # At 300 tokens/s a 1,500-token RAG prompt due at 7,100 ms must start by 2,100 ms. A chat that would
+    # miss behind it may abort it before then (restarted, it can still make it), not after (it could not).
+    rag = [Running("rag", 1, 7_100, 1_500, 0)]
+    assert choose_victims(PreemptionPolicy(), rag, Waiting(0, 2_574, 150), 2_000, 300) == ["rag"]
+    assert choose_victims(PreemptionPolicy(), rag, Waiting(0, 2_774, 150), 2_200, 300) == []
+
+
 def test_tokens_until_done_follows_vllm_steps_with_and_without_a_cap():
     # No cap: the running prompts' remaining work, then the head's.
     assert tokens_until_done([1000], 74) == 1074

@@ -164,7 +164,9 @@ async def test_a_preempted_prompt_claimed_again_can_be_preempted_again(redis_url
 
     decode_rt.queues.ack = slow_ack
     try:
-        rag = make_request(cfg, "rag", "standard", 1500)
+        # Batch tier: due in a minute, the prompt stays before its latest start throughout (a prompt past it is
+        # no victim), whatever rate the worker measures on its chats.
+        rag = make_request(cfg, "rag", "batch", 1500)
         w_rag = await watch(client, keys, "rag")
         await enqueue(client, keys, "decode", m.DecodeWork(rag), 1000)
         await await_until(lambda: decode_rt.held.phase_of("rag") is Phase.COMPUTING, 10,

@@ -10,6 +10,7 @@ from skyline.core import cache_view
 from skyline.core import messages as m
 from skyline.core.keys import Keys
 from skyline.core.fleet import WorkerInfo, heartbeat
+from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Placement, TierQueues, enqueue, ensure_groups, now_ms
 from skyline.scheduler.tiers import DEFAULT_TIERS
 from skyline.workers.reaper import forget_departed
@@ -67,6 +68,55 @@ async def test_claims_follow_earliest_deadline_across_tiers(r, key_prefix):
         order.append(c.message.request_id)
         await q.ack(c)
     assert order == ["batch-old", "inter", "std", "batch-new"]
+
+
+def sized(rid: str, tier: str, deadline_ms: int, prompt_tokens: int) -> m.GenerateRequest:
+    return m.GenerateRequest(rid, "sim", list(range(1, prompt_tokens + 1)), m.SamplingSpec(), tier, 0, deadline_ms,
+                             1000, 100)
+
+
+async def _order(q, **claim) -> list[str]:
+    order = []
+    while (c := await q.claim(block_ms=50, **claim)) is not None:
+        order.append(c.message.request_id)
+        await q.ack(c)
+    return order
+
+
+async def test_claims_follow_the_latest_start_at_the_claimers_rate(r, key_prefix):
+    # A 1,500-token RAG prompt due at 7.1 s must start by 2.1 s at 300 tokens/s; a 150-token chat due at
+    # 2.574 s by 2.074 s, one due at 2.7 s by 2.2 s. By deadline both chats would go first.
+    for stage, prefix in (("prefill", key_prefix), ("decode", key_prefix + "d")):
+        keys = Keys(prefix)
+        await ensure_groups(r, keys, TIERS, stage)
+        await enqueue(r, keys, stage, sized("rag", "standard", 7_100, 1_500), 1000)
+        await enqueue(r, keys, stage, sized("chat", "interactive", 2_574, 150), 1000)
+        await enqueue(r, keys, stage, sized("chat-2", "interactive", 2_700, 150), 1000)
+    by_start = TierQueues(r, Keys(key_prefix), "prefill", DEFAULT_TIERS, "w")
+    assert await _order(by_start, tokens_per_s=300.0) == ["chat", "rag", "chat-2"]
+    by_deadline = TierQueues(r, Keys(key_prefix + "d"), "decode", DEFAULT_TIERS, "w")
+    assert await _order(by_deadline) == ["chat", "chat-2", "rag"]  # no rate measured: by deadline
+
+
+async def test_an_elastic_worker_orders_both_stages_by_latest_start(r, key_prefix):
+    keys = Keys(key_prefix)
+    for stage in ("prefill", "decode"):
+        await ensure_groups(r, keys, TIERS, stage)
+    await enqueue(r, keys, "prefill", sized("rag", "standard", 7_100, 1_500), 1000)
+    await enqueue(r, keys, "decode", sized("chat", "interactive", 2_574, 150), 1000)
+    await enqueue(r, keys, "decode", sized("chat-2", "interactive", 2_700, 150), 1000)
+    q = StageQueues({s: TierQueues(r, keys, s, DEFAULT_TIERS, "w") for s in ("prefill", "decode")})
+    assert await _order(q, tokens_per_s=300.0) == ["chat", "rag", "chat-2"]
+
+
+async def test_a_claim_due_by_a_time_takes_only_a_head_that_must_start_by_then(r, key_prefix):
+    keys = Keys(key_prefix)
+    await ensure_groups(r, keys, TIERS, "prefill")
+    await enqueue(r, keys, "prefill", sized("rag", "standard", 7_100, 1_500), 1000)
+    q = TierQueues(r, keys, "prefill", DEFAULT_TIERS, "w")
+    assert await q.claim(block_ms=0, tokens_per_s=300.0, due_by_ms=2_099) is None  # it may start at 2.1 s
+    c = await q.claim(block_ms=0, tokens_per_s=300.0, due_by_ms=2_100)
+    assert c is not None and c.message.request_id == "rag"
 
 
 async def test_work_returned_to_the_queue_comes_back_before_what_arrived_after_it(r, key_prefix):

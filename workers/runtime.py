@@ -216,6 +216,12 @@ class WorkerRuntime:
         in deadline order, where any worker that frees up can take it (scheduler/claiming.py)."""
         return self.rules.has_room(self.room, self.held, lambda: self.engine.stats().kv_usage, self._pace_ok)
 
+    def paced_out(self) -> bool:
+        """Full by the pace rule alone (scheduler/decode_room.py): its streams run slower than their targets
+        allow one more, while the count, the prompt budget and the KV watermark would let it claim."""
+        return not self._pace_ok() and self.rules.has_room(self.room, self.held,
+                                                           lambda: self.engine.stats().kv_usage, lambda: True)
+
     def _claim_defer(self, head: Head) -> float:
         """Seconds to wait before claiming `head`, so that a peer free sooner takes it first
         (scheduler/claiming.py `claim_defer_s`): the tokens its engine has left against the freest peer's, as
@@ -379,6 +385,7 @@ class WorkerRuntime:
                             await forget_departed(queues, max(60.0, self.cfg.worker.heartbeat_ttl_s))
                 except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                     log.warning("reclaim check failed: %s", exc)
+            due_by_ms = None  # claim only a head that must start by then (None: any head)
             if not self.has_room():
                 room.clear()
                 if self.preemption.enabled and self.held.computing():
@@ -386,14 +393,24 @@ class WorkerRuntime:
                         await self._maybe_preempt()
                     except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                         log.warning("preemption check failed: %s", exc)
+                if self.paced_out():
+                    # The pace rule keeps new work off this engine to keep its streams on target, but
+                    # holds a request back no longer than its latest start: past it, waiting makes that
+                    # request miss for certain (scheduler/decode_room.py). Looked at as a full worker's
+                    # heads are, every RECHECK_S.
+                    due_by_ms = now_ms()
+                elif self.preemption.enabled and self.held.computing():
                     await _wait_any(room, self.stopping, timeout=RECHECK_S)  # re-check the heads while full
+                    continue
                 else:
                     await _wait_any(room, self.stopping, timeout=1.0)
-                continue
+                    continue
             tiers = self._claimable_tiers()
             try:
-                claimed = await self.queues.claim(block_ms=500, tiers=tiers, take=self.take, defer=self._claim_defer,
-                                                  wake=self.held.freed)
+                # (a head due to start now is not left to a peer: waiting would make it late)
+                claimed = await self.queues.claim(block_ms=0 if due_by_ms else 500, tiers=tiers, take=self.take,
+                                                  defer=None if due_by_ms else self._claim_defer, wake=self.held.freed,
+                                                  tokens_per_s=self.tokens_per_s(), due_by_ms=due_by_ms)
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -407,6 +424,9 @@ class WorkerRuntime:
                 await self._ensure_groups()
                 continue
             if claimed is None:
+                if due_by_ms is not None:  # paced out and no head is due to start yet: look again soon
+                    await _wait_any(room, self.stopping, timeout=RECHECK_S)
+                    continue
                 # Only other tiers' entries may be waiting: claim any tier at once if the shield lifts,
                 # else look again soon.
                 if tiers is not None and not self.claims.found_nothing(self.computing_ranks()):

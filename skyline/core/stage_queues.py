@@ -2,10 +2,10 @@
 
 An elastic worker (scheduler/elastic.py) consumes the prefill and the decode
 streams. Each stage keeps its own consumer group, retry lanes and affinity lanes
-(`TierQueues`); this claims from them as one queue: the head due first wins, and
-of heads due together the decode stage's (a stream already started finishes
-before a new prompt begins). It blocks on the lanes of both stages at once, so
-an idle worker wakes for work of either.
+(`TierQueues`); this claims from them as one queue: the head that must start first
+wins (its latest start, scheduler/edf.py), and of heads due together the decode
+stage's (a stream already started finishes before a new prompt begins). It blocks
+on the lanes of both stages at once, so an idle worker wakes for work of either.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import asyncio
 
 from skyline.core import messages
 from skyline.core.streams import Claimed, Defer, Head, Take, TierQueues, defer_claim, now_ms
-from skyline.scheduler.edf import pick_tier
+from skyline.scheduler.decode_room import paced_claim_due
+from skyline.scheduler.edf import pick_tier, start_by_ms
 from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
 
 
@@ -56,21 +57,25 @@ class StageQueues:
             out += [(stage, h) for h in (await q.peek_heads(block_ms)).values()]
         return out
 
-    def pick(self, heads: list[tuple[str, Head]], tiers: tuple[str, ...] | None = None) -> tuple[str, Head] | None:
-        """The head to claim: earliest deadline first over every stage (the tiers' EDF, `pick_tier`, within
-        each stage), the decode stage first among equals (`stage_due_first`); among `tiers` only, if given."""
-        first: dict[str, Head] = {}  # stage -> its head due first
+    def pick(self, heads: list[tuple[str, Head]], tiers: tuple[str, ...] | None = None, tokens_per_s: float = 0.0,
+             due_by_ms: int | None = None) -> tuple[str, Head] | None:
+        """The head to claim: earliest latest start first over every stage (`start_by_ms` at the claimer's
+        `tokens_per_s`, 0: by deadline; the tiers' EDF, `pick_tier`, within each stage), the decode stage
+        first among equals (`stage_due_first`); among `tiers` only, if given; with `due_by_ms`, only if it
+        must start by then."""
+        first: dict[str, tuple[int, Head]] = {}  # stage -> (key, its head due first)
         for stage, head in heads:
             if tiers is not None and head.tier not in tiers:
                 continue
+            key = start_by_ms(head.deadline_ms, head.prefill_tokens, tokens_per_s)
             seen = first.get(stage)
-            if seen is None or head.deadline_ms < seen.deadline_ms or (
-                    head.deadline_ms == seen.deadline_ms
-                    and pick_tier({seen.tier: seen.deadline_ms, head.tier: head.deadline_ms},
-                                  self.tier_names) == head.tier):
-                first[stage] = head
-        stage = stage_due_first({s: h.deadline_ms for s, h in first.items()})
-        return None if stage is None else (stage, first[stage])
+            if seen is None or key < seen[0] or (
+                    key == seen[0] and pick_tier({seen[1].tier: key, head.tier: key}, self.tier_names) == head.tier):
+                first[stage] = (key, head)
+        stage = stage_due_first({s: key for s, (key, _h) in first.items()})
+        if stage is None or (due_by_ms is not None and not paced_claim_due(first[stage][0], due_by_ms)):
+            return None
+        return stage, first[stage][1]
 
     async def peek_heads(self, block_ms: int) -> dict[str, Head]:
         """tier -> its head due first over every stage (what a full worker's preemption check reads)."""
@@ -83,13 +88,14 @@ class StageQueues:
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
                     take: Take | None = None, defer: Defer | None = None,
-                    wake: asyncio.Event | None = None) -> Claimed | None:
-        """Claim the head due first over every stage (`take`: for the decode stage's entries; `defer` and
-        `wake`: as `TierQueues.claim`'s)."""
-        chosen = self.pick(await self.peek_all(block_ms), tiers)
+                    wake: asyncio.Event | None = None, tokens_per_s: float = 0.0,
+                    due_by_ms: int | None = None) -> Claimed | None:
+        """Claim the head due first over every stage (`take`: for the decode stage's entries; `defer`,
+        `wake`, `tokens_per_s` and `due_by_ms`: as `TierQueues.claim`'s)."""
+        chosen = self.pick(await self.peek_all(block_ms), tiers, tokens_per_s, due_by_ms)
         if chosen is not None and defer is not None and (wait := defer(chosen[1])) > 0:
             await defer_claim(wait, wake)
-            chosen = self.pick(await self.peek_all(0), tiers)
+            chosen = self.pick(await self.peek_all(0), tiers, tokens_per_s, due_by_ms)
         if chosen is None:
             return None
         stage, head = chosen

@@ -17,7 +17,8 @@ from redis.exceptions import ResponseError
 
 from skyline.core import messages
 from skyline.core.keys import STAGES, Keys
-from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.scheduler.decode_room import paced_claim_due
+from skyline.scheduler.edf import pick_tier, retry_first, start_by_ms
 from skyline.scheduler.prefix import may_claim
 from skyline.scheduler.tiers import Tier
 
@@ -349,26 +350,35 @@ class TierQueues:
             return retry_first(a.deadline_ms, b.deadline_ms)
         return not retry_first(b.deadline_ms, a.deadline_ms)
 
-    def pick(self, heads: dict[str, Head], tiers: tuple[str, ...] | None = None) -> str | None:
-        """The tier to claim from: EDF over the heads (`pick_tier`), among `tiers` only if given."""
-        return pick_tier({t: h.deadline_ms for t, h in heads.items() if tiers is None or t in tiers}, self.tier_names)
+    def pick(self, heads: dict[str, Head], tiers: tuple[str, ...] | None = None, tokens_per_s: float = 0.0,
+             due_by_ms: int | None = None) -> str | None:
+        """The tier to claim from: EDF by latest start over the heads (`pick_tier`, `start_by_ms` at the
+        claimer's `tokens_per_s`; 0: by deadline), among `tiers` only if given; with `due_by_ms`, only if
+        that head must start by then."""
+        keys = {t: start_by_ms(h.deadline_ms, h.prefill_tokens, tokens_per_s)
+                for t, h in heads.items() if tiers is None or t in tiers}
+        tier = pick_tier(keys, self.tier_names)
+        return None if tier is None or (due_by_ms is not None and not paced_claim_due(keys[tier], due_by_ms)) else tier
 
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
                     take: Take | None = None, defer: Defer | None = None,
-                    wake: asyncio.Event | None = None) -> Claimed | None:
-        """Claim the next entry in EDF order (among `tiers` only, if given), or None if
-        nothing arrived in `block_ms` (or only entries of other tiers are waiting).
+                    wake: asyncio.Event | None = None, tokens_per_s: float = 0.0,
+                    due_by_ms: int | None = None) -> Claimed | None:
+        """Claim the next entry in EDF order by latest start (at `tokens_per_s`, the claimer's measured
+        prompt rate; 0: by deadline; among `tiers` only, if given), or None if nothing arrived in
+        `block_ms` (or only entries of other tiers are waiting). `due_by_ms`: claim it only if it must
+        start by then (what a worker the pace rule holds back may still take).
         `take`: claims the entry with what the stage keeps beside it, in one round trip
         (a decode worker's run: workers/runs.py `Runs.take`); else a plain XREADGROUP.
         `defer`: seconds to wait before claiming a head, for a freer worker to take it first
         (`scheduler.claiming.claim_defer_s`), cut short when `wake` is set (`defer_claim`); the heads
         are read again after the wait."""
         heads = await self.peek_heads(block_ms)
-        tier = self.pick(heads, tiers)
+        tier = self.pick(heads, tiers, tokens_per_s, due_by_ms)
         if tier is not None and defer is not None and (wait := defer(heads[tier])) > 0:
             await defer_claim(wait, wake)
             heads = await self.peek_heads(0)
-            tier = self.pick(heads, tiers)
+            tier = self.pick(heads, tiers, tokens_per_s, due_by_ms)
         if tier is None:
             return None
         return await self.claim_head(heads[tier], take)

@@ -40,11 +40,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from skyline.scheduler.claiming import ClaimShield
-from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows
+from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, paced_claim_due
 from skyline.scheduler.disagg import handle_expired
 from skyline.scheduler.step_budget import StepShaper
 from skyline.scheduler.throughput import ThroughputMeter
-from skyline.tools.simulate.preempt import claim_defer, claim_for, peek_for, victims_for
+from skyline.tools.simulate.preempt import claim_defer, claim_for, measured_rate, peek_for, victims_for
 from skyline.tools.simulate.prefill_worker import plan_chunks, shape_step
 from skyline.tools.simulate.request import SimRequest
 
@@ -137,6 +137,7 @@ class DecodeWorker:
         self.asleep = False
         self.sleep_q: StageQueues | None = None
         self.sleeps = 0
+        self.paced_wake_at: float | None = None  # paced out: when the head it saw must start (`paced_due`)
         self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- room and claims ---------------------------------------------------------------
@@ -168,10 +169,13 @@ class DecodeWorker:
         room = None  # has_room() as last asked, while nothing changed since (None: ask again)
         while self.work_waiting() and limit > 0:
             room = self.has_room()
-            if not room:
-                break
-            q = self.queue_to_claim()
-            if self.local_tokens and not woke and q is not None:
+            if room:
+                q = self.queue_to_claim()
+            else:
+                q = self.paced_due()
+                if q is None:
+                    break
+            if room and self.local_tokens and not woke and q is not None:
                 wait = self.claim_wait(q)
                 if wait is not None:
                     self._sleep(q, wait[2])
@@ -189,6 +193,41 @@ class DecodeWorker:
         if not self.in_ready and (self.has_room() if room is None else room):
             self.in_ready = True
             sim.decode_ready.append(self)
+
+    def paced_due(self) -> StageQueues | None:
+        """For a worker the pace rule alone keeps from claiming (every other limit open): the stage queue whose
+        head must start by now to meet its deadline (`scheduler.decode_room.paced_claim_due`), claimed without a
+        defer; None when there is none, and then it looks again when the head it saw must start. Live:
+        `WorkerRuntime.paced_out` and the claim's `due_by_ms`, looked at every RECHECK_S; here at each of its
+        step and batch events and at that time (an entry that arrives meanwhile is seen at the next of them:
+        a timer per arrival and paced worker would cost a large fleet more than its steps)."""
+        if self.pace_ok or not self._room(self.B + self.arriving + len(self.local) + len(self.joining),
+                                          self.local_tokens, (self.C + self.reserved) / self.kv_capacity, True):
+            return None
+        q = self.queue_to_claim()
+        if q is None:
+            return None
+        now_ms = int(self.loop.now * 1000)
+        gate = self.claims
+        key = q.due_for(self.name, now_ms, gate.max_rank(now_ms) if gate.shield is not None else None,
+                        measured_rate(self))
+        if key is None:
+            return None
+        if paced_claim_due(key, now_ms):
+            return q
+        at = (key + 0.5) / 1000  # (half a ms on: the clock read then is `key` ms, whatever the rounding)
+        if self.paced_wake_at is None or at < self.paced_wake_at:
+            self.paced_wake_at = at
+            self.loop.at(at, self._paced_wake, at)
+        return None
+
+    def _paced_wake(self, at: float) -> None:
+        """The head a paced-out worker saw must start now (`paced_due`); a wake-up superseded by an earlier
+        one does nothing (that one looked, and armed the next)."""
+        if self.paced_wake_at != at:
+            return
+        self.paced_wake_at = None
+        self.claim_while_room()
 
     def claim_wait(self, q: StageQueues | None = None) -> tuple | None:
         """(stage queue, entry, seconds) when the worker's next claim, from `q` (default: the stage it would

@@ -1,8 +1,9 @@
 """A simulated elastic worker: one engine that takes either phase, as `skyline worker elastic` does.
 
 It is a decode worker (continuous batching, prompts computed in mixed steps beside its streams)
-that also consumes the prefill stage, claiming from the two stages in one earliest-deadline-first
-order (`scheduler.elastic.stage_due_first`, the rule of the live `skyline/core/stage_queues.py`).
+that also consumes the prefill stage, claiming from the two stages in one earliest-latest-start-first
+order (`scheduler.elastic.stage_due_first` on `scheduler.edf.start_by_ms`, the rule of the live
+`skyline/core/stage_queues.py`).
 For a prompt it claims from the prefill stage it asks `scheduler.elastic.decoder_for` where the
 decode runs, as `workers/runtime.py` `_place_decode` does: here (the prompt is served whole, no KV
 moves) or on a peer, whose affinity lane of the decode stage gets the hand-off for
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from skyline.scheduler.claiming import long_prompt_defer_s
 from skyline.scheduler.elastic import decoder_for, has_room, stage_due_first
 from skyline.tools.simulate.decode_worker import DecodeWorker
+from skyline.tools.simulate.preempt import measured_rate
 from skyline.tools.simulate.request import SimRequest
 
 if TYPE_CHECKING:
@@ -42,10 +44,11 @@ class ElasticWorker(DecodeWorker):
         now_ms = int(self.loop.now * 1000)
         gate = self.claims
         max_rank = gate.max_rank(now_ms) if gate.shield is not None else None
+        rate = measured_rate(self)  # heads are compared by latest start (scheduler.edf.start_by_ms)
         while True:
             dues: dict[str, int] = {}
             for stage, q in (("decode", sim.decode_q), ("prefill", sim.prefill_q)):
-                due = q.due_for(self.name, now_ms, max_rank) if q.size else None
+                due = q.due_for(self.name, now_ms, max_rank, rate) if q.size else None
                 if due is not None:
                     dues[stage] = due
             first = stage_due_first(dues)

@@ -75,16 +75,17 @@ def claim_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) 
     (`scheduler.claiming.ClaimShield`, as the live worker's claim loop): expired, or with none of its
     tiers computing among the handles in `held`, the shield lifts."""
     gate = worker.claims
+    rate = measured_rate(worker)  # heads are compared by latest start at it (scheduler.edf.start_by_ms)
     if gate.shield is None:
         if q.placed_size:  # work placed for workers' prefix caches waits: the lane rule decides
-            return q.claim_as(worker.name, int(worker.sim.loop.now * 1000))
-        return q.claim()  # (the hot path: no shield up)
+            return q.claim_as(worker.name, int(worker.sim.loop.now * 1000), None, rate)
+        return q.claim(None, rate)  # (the hot path: no shield up)
     while True:
         max_rank = gate.max_rank(int(worker.sim.loop.now * 1000))
         if q.placed_size:
-            item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank)
+            item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank, rate)
         else:
-            item = q.claim(max_rank)
+            item = q.claim(max_rank, rate)
         if item is not None or max_rank is None:
             return item
         if not gate.found_nothing(h.req.rank for h in held):
@@ -97,11 +98,12 @@ def peek_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) -
     finds none of its tiers computing lifts here, as the claim would lift it."""
     gate = worker.claims
     now_ms = int(worker.sim.loop.now * 1000)
+    rate = measured_rate(worker)
     if gate.shield is None:
-        return q.peek_as(worker.name, now_ms) if q.placed_size else q.peek()
+        return q.peek_as(worker.name, now_ms, None, rate) if q.placed_size else q.peek(None, rate)
     while True:
         max_rank = gate.max_rank(now_ms)
-        item = q.peek_as(worker.name, now_ms, max_rank) if q.placed_size else q.peek(max_rank)
+        item = q.peek_as(worker.name, now_ms, max_rank, rate) if q.placed_size else q.peek(max_rank, rate)
         if item is not None or max_rank is None:
             return item
         if not gate.found_nothing(h.req.rank for h in held):

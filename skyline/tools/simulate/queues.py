@@ -1,7 +1,8 @@
 """The tier streams of one stage, in memory: FIFO per tier, EDF across tiers, and the backlog counters.
 
 Mirrors `skyline.core.streams.TierQueues` and the `skyline:backlog` hash: a worker
-compares the heads of the tier queues and claims from the one that
+compares the heads of the tier queues by their latest start at its prefill rate
+(`scheduler.edf.start_by_ms`; `rate` 0: by deadline) and claims from the one that
 `scheduler.edf.pick_tier` names. New entries go to the tail; a preempted
 request goes to its tier's retry lane with its original deadline (as the
 live worker re-XADDs it to `skyline:{stage}:<tier>:retry`), and a tier's head
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from skyline.scheduler.edf import pick_tier, retry_first
+from skyline.scheduler.edf import pick_tier, retry_first, start_by_ms
 from skyline.scheduler.prefix import may_claim
 from skyline.tools.simulate.request import SimRequest
 
@@ -68,17 +69,19 @@ class StageQueues:
             return main
         return retry
 
-    def heads(self) -> dict[str, int]:
-        """Deadline (ms) of each non-empty tier's head, as a worker's peek sees them."""
+    def heads(self, rate: float = 0.0) -> dict[str, int]:
+        """Latest start (ms) of each non-empty tier's head at prefill rate `rate` (0: its deadline), as a
+        worker's peek sees them."""
         out = {}
         for t in self.tier_order:
             lane = self._lane(t)
             if lane is not None:
-                out[t] = int(lane[0][0].deadline * 1000)
+                out[t] = start_key(lane[0], int(lane[0][0].deadline * 1000), rate)
         return out
 
     def head(self):
-        """The entry EDF serves next from the shared streams, without claiming it (None when empty)."""
+        """The entry EDF serves next from the shared streams by deadline, without claiming it (None when empty):
+        what the fleet-level preemption check reads (live: `WorkerRuntime._maybe_preempt`)."""
         if self.size == self.placed_size:
             return None
         return self._lane(pick_tier(self.heads(), self.tier_order))[0]
@@ -104,9 +107,9 @@ class StageQueues:
                     return True
         return False
 
-    def _choose(self, me: str, now_ms: int, max_rank: int | None) -> tuple | None:
-        """(lane, holder or None, deadline ms) of the EDF head among the entries worker `me` may claim
-        (its own lanes, the shared streams, others' lanes past their bound), or None."""
+    def _choose(self, me: str, now_ms: int, max_rank: int | None, rate: float = 0.0) -> tuple | None:
+        """(lane, holder or None, latest start ms at prefill rate `rate`) of the EDF head among the entries
+        worker `me` may claim (its own lanes, the shared streams, others' lanes past their bound), or None."""
         tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
         heads: dict[str, int] = {}
         chosen: dict[str, tuple] = {}
@@ -126,25 +129,27 @@ class StageQueues:
                     if best is None or not retry_first(due, d):  # earlier than the head so far; a tie keeps it
                         best, due, holder = lane, d, worker
             if best is not None:
-                heads[t], chosen[t] = due, (best, holder, due)
+                key = start_key(best[0], due, rate)
+                heads[t], chosen[t] = key, (best, holder, key)
         if not heads:
             return None
         return chosen[pick_tier(heads, self.tier_order)]  # type: ignore[index]
 
-    def due_for(self, me: str, now_ms: int, max_rank: int | None = None) -> int | None:
-        """The deadline (ms) of the entry `claim_as` would give worker `me`, None when none: what an
-        elastic worker compares across its two stages (scheduler.elastic.stage_due_first)."""
+    def due_for(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0) -> int | None:
+        """The latest start (ms, at prefill rate `rate`) of the entry `claim_as` would give worker `me`, None
+        when none: what an elastic worker compares across its two stages (scheduler.elastic.stage_due_first)
+        and a paced-out worker against the clock (scheduler.decode_room.paced_claim_due)."""
         if not self.size:
             return None
-        chosen = self._choose(me, now_ms, max_rank)
+        chosen = self._choose(me, now_ms, max_rank, rate)
         return None if chosen is None else chosen[2]
 
-    def peek_as(self, me: str, now_ms: int, max_rank: int | None = None):
+    def peek_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0):
         """The entry `claim_as` would give worker `me`, left where it is (None when none)."""
-        chosen = self._choose(me, now_ms, max_rank)
+        chosen = self._choose(me, now_ms, max_rank, rate)
         return None if chosen is None else chosen[0][0]
 
-    def peek(self, max_rank: int | None = None):
+    def peek(self, max_rank: int | None = None, rate: float = 0.0):
         """The entry `claim` would take, left where it is (None when none)."""
         if self.size == self.placed_size:
             return None
@@ -153,10 +158,10 @@ class StageQueues:
             for q in self.queues.values():
                 if q:
                     if only is not None:  # several tiers waiting: the EDF policy chooses
-                        return self.queues[pick_tier(self.heads(), self.tier_order)][0]  # type: ignore[index]
+                        return self.queues[pick_tier(self.heads(rate), self.tier_order)][0]  # type: ignore[index]
                     only = q
             return None if only is None else only[0]  # one tier waiting: `claim`'s hot path
-        heads = self.heads()
+        heads = self.heads(rate)
         if max_rank is not None:
             allowed = self.tier_order[: max_rank + 1]
             heads = {t: d for t, d in heads.items() if t in allowed}
@@ -164,10 +169,10 @@ class StageQueues:
             return None
         return self._lane(pick_tier(heads, self.tier_order))[0]  # type: ignore[arg-type, index]
 
-    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None):
+    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0):
         """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
         the shared streams, others' lanes past their bound), or None."""
-        chosen = self._choose(me, now_ms, max_rank)
+        chosen = self._choose(me, now_ms, max_rank, rate)
         if chosen is None:
             return None
         lane, holder, _due = chosen
@@ -181,12 +186,13 @@ class StageQueues:
             self.retry_size -= 1
         return item
 
-    def claim(self, max_rank: int | None = None):
-        """Take the entry EDF serves next (None when empty), among the tiers of rank <= `max_rank` if given."""
+    def claim(self, max_rank: int | None = None, rate: float = 0.0):
+        """Take the entry EDF serves next by latest start at prefill rate `rate` (None when empty), among the
+        tiers of rank <= `max_rank` if given."""
         if not self.size:
             return None
         if self.retry_size or max_rank is not None:
-            heads = self.heads()
+            heads = self.heads(rate)
             if max_rank is not None:
                 allowed = self.tier_order[: max_rank + 1]
                 heads = {t: d for t, d in heads.items() if t in allowed}
@@ -202,7 +208,7 @@ class StageQueues:
         for q in self.queues.values():
             if q:
                 if only is not None:  # several tiers waiting: the EDF policy chooses
-                    return self.queues[pick_tier(self.heads(), self.tier_order)].popleft()  # type: ignore[index]
+                    return self.queues[pick_tier(self.heads(rate), self.tier_order)].popleft()  # type: ignore[index]
                 only = q
         # One tier waiting: pick_tier would name it (the hot path of a big fleet).
         return only.popleft()  # type: ignore[union-attr]
@@ -212,3 +218,10 @@ class StageQueues:
 
     def release(self, tier: str, tokens: int) -> None:
         self.backlog[tier] -= tokens
+
+
+def start_key(item: tuple, deadline_ms: int, rate: float) -> int:
+    """The latest start (ms) of entry `item` due at `deadline_ms` at prefill rate `rate` (`start_by_ms`): an
+    entry with a KV handle (`item[1]` set) has no prompt to compute, the rest their uncached tokens (the live
+    entry's `prefill_tokens`)."""
+    return start_by_ms(deadline_ms, item[0].backlog_tokens if item[1] is None else 0, rate)
