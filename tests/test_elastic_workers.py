@@ -317,8 +317,8 @@ async def test_the_pace_rule_holds_a_request_back_only_until_its_latest_start(re
     keys = Keys(key_prefix)
     done: dict[str, float] = {}
 
-    async def serve(req: m.GenerateRequest) -> list:
-        frames = await run_request(client, keys, req, timeout_s=30)
+    async def serve(req: m.GenerateRequest, enqueued: asyncio.Event | None = None) -> list:
+        frames = await run_request(client, keys, req, timeout_s=30, enqueued=enqueued)
         done[req.request_id] = asyncio.get_running_loop().time()
         return frames
 
@@ -334,7 +334,10 @@ async def test_the_pace_rule_holds_a_request_back_only_until_its_latest_start(re
         # A claim that began with room waits up to 500 ms for an entry (`TierQueues.claim`): let it end.
         await asyncio.sleep(0.6)
         # Due in 40 ms (its latest start is now) and due in a minute (it can wait for a stream to end).
-        due = asyncio.create_task(serve(_timed_request("due-now", 10, 1, 40, 250)))
+        # Both share a FIFO tier stream, in deadline order as one tier's requests are: due-now goes first.
+        due_enqueued = asyncio.Event()
+        due = asyncio.create_task(serve(_timed_request("due-now", 10, 1, 40, 250), due_enqueued))
+        await due_enqueued.wait()
         later = asyncio.create_task(serve(_timed_request("due-later", 10, 1, 60_000, 250)))
         results = await asyncio.gather(*streams, due, later)
         assert all(isinstance(frames[-1], m.Finished) for frames in results), [f[-1] for f in results]

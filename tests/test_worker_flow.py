@@ -32,18 +32,24 @@ def gen_request(rid: str, prompt: list[int], max_tokens: int, route: str = "disa
                              t, t + 1000, 1000, 250, route=route)
 
 
-async def run_request(client, keys: Keys, req: m.GenerateRequest, timeout_s: float = 10) -> list:
+async def run_request(client, keys: Keys, req: m.GenerateRequest, timeout_s: float = 10,
+                      enqueued: asyncio.Event | None = None) -> list:
     """Enqueue `req` (or decode work) as the gateway would; its frames up to the last."""
-    return await run_work(client, keys, req if req.route == "disagg" else m.DecodeWork(request=req), timeout_s)
+    return await run_work(client, keys, req if req.route == "disagg" else m.DecodeWork(request=req), timeout_s,
+                          enqueued)
 
 
-async def run_work(client, keys: Keys, work: m.GenerateRequest | m.DecodeWork, timeout_s: float = 10) -> list:
-    """Enqueue a request on the prefill stream, or decode work on the decode stream; its frames."""
+async def run_work(client, keys: Keys, work: m.GenerateRequest | m.DecodeWork, timeout_s: float = 10,
+                   enqueued: asyncio.Event | None = None) -> list:
+    """Enqueue a request on the prefill stream, or decode work on the decode stream; its frames.
+    `enqueued` is set once it is in the stream (to order requests that share a FIFO tier stream)."""
     req = work.request if isinstance(work, m.DecodeWork) else work
     pubsub = client.pubsub()
     await pubsub.subscribe(keys.tokens(req.request_id))
     await pubsub.get_message(timeout=1)  # subscribe confirmation
     await enqueue(client, keys, "decode" if isinstance(work, m.DecodeWork) else "prefill", work, 1000)
+    if enqueued is not None:
+        enqueued.set()
     frames = []
     async with asyncio.timeout(timeout_s):
         while True:
