@@ -52,6 +52,20 @@ a peer computing no prompt gets it first (`IDLE_PEER_ANSWER_S`, as long as an id
 peer takes to answer); with no such peer it is claimed at once. Measured on the
 mixed chat + RAG benchmark: without this, a chat went to the engine computing a
 1,800-token RAG prompt while its peer only decoded, and both missed their targets.
+
+Who claims at all, until a head is due (`leaves_until_due`, elastic workers). Long prompts (those the
+gateway routed through the prefill streams) gather on an engine once it computes one: for
+`LONG_PROMPT_MEMORY_S` after its last (`computes_long`), a peer where they do not gather leaves the next
+long prompt to it (while it has room), and it leaves short prompts (the colocated route) to a live peer
+where they do not gather. Each waits only until the head's latest start (`scheduler.edf.start_by_ms`):
+past it, waiting would only make the head late, and whoever looks first claims it. So the engines find
+the disaggregated split under a load that needs it, and give it up when the long prompts stop; where
+every engine computes long prompts (a fleet of long prompts only) nothing is left, and the claim defer
+above decides alone. Measured on the mixed chat + RAG benchmark at 0.8 req/s: chats whose streams
+shared 128-token steps with a RAG prompt's chunks ran 2-5x their TPOT target, and a chat claimed beside
+a RAG prompt missed its TTFT; with long prompts given to the engine decoding fewer streams they
+alternated between the two engines (a RAG's own decode stays where it was computed), so that every
+engine ran chats beside RAG chunks; the fixed 1P + 1D split kept them apart.
 """
 
 from __future__ import annotations
@@ -79,6 +93,13 @@ CLAIM_DEFER_MAX_S = 0.25
 # loop wakes on the new entry and takes it within a few tens of milliseconds (the mixed benchmark's median
 # claim: under 25 ms); past this the peer is not coming, and the prompt is claimed here.
 IDLE_PEER_ANSWER_S = 0.1
+
+# How long an engine that computed a long prompt stays the one long prompts gather on and short prompts
+# keep off (`leaves_until_due`): longer than the gaps between long prompts under a load that needs the
+# split (the mixed benchmark's RAG prompts, 0.16/s at 0.8 req/s: 6 s apart on average), so that the
+# engines do not swap roles between two of them, each swap leaving chats' streams on the engine that
+# takes the next long prompt; short enough that an engine returns to short prompts soon after they stop.
+LONG_PROMPT_MEMORY_S = 15.0
 
 
 def claim_defer_s(prefill_tokens: int, rank: int, left_tokens: int, computing_ranks: Iterable[int],
@@ -143,6 +164,7 @@ class PeerCompute(PeerLoad, Protocol):
 
     tokens_per_s: float  # its measured prompt rate (0: not measured yet)
     left_tokens: int  # prompt tokens its engine had left to compute at the beat (`tokens_left`)
+    computes_long: int  # 1: it computes a long prompt, or did within LONG_PROMPT_MEMORY_S (`computes_long`)
     last_seen: float  # when it beat, in the clock `freest_peers` and `FreestPeers.free_s` are given
 
 
@@ -155,6 +177,10 @@ class FreestPeers:
 
     by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
     idle_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    # Of the peers with room, (requests held, worker id) of two where long prompts gather and two where
+    # they do not (`computes_long`, `leaves_until_due`).
+    long_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    no_long_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
     def fewest_streams(self, me: str, stage: str) -> int | None:
         """The fewest requests a peer of worker `me` that may claim `stage`'s prompts holds while computing
@@ -163,6 +189,16 @@ class FreestPeers:
             if worker_id != me:
                 return running
         return None
+
+    def has_peer_with_long(self, me: str, stage: str) -> bool:
+        """Has worker `me` a peer with room that may claim `stage`'s prompts and where long prompts gather
+        (`computes_long`)?"""
+        return _other(self.long_by_stage.get(stage, ()), me) is not None
+
+    def has_peer_without_long(self, me: str, stage: str) -> bool:
+        """Has worker `me` a peer with room that may claim `stage`'s prompts and where long prompts do not
+        gather (`computes_long`)?"""
+        return _other(self.no_long_by_stage.get(stage, ()), me) is not None
 
     def free_s(self, me: str, stage: str, now: float) -> float | None:
         """In how many seconds from `now` the freest peer of worker `me` that may claim `stage`'s prompts is
@@ -184,6 +220,8 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
     watermark)."""
     best: dict[str, list[tuple[float, str]]] = {}
     idle: dict[str, list[tuple[int, str]]] = {}
+    long: dict[str, list[tuple[int, str]]] = {}
+    no_long: dict[str, list[tuple[int, str]]] = {}
     for p in peers:
         if not has_room(p, prompt_budget):
             continue
@@ -192,8 +230,37 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
             _keep_two(best.setdefault(stage, []), (free_at, p.worker_id))
             if p.left_tokens <= 0:
                 _keep_two(idle.setdefault(stage, []), (p.running, p.worker_id))
-    return FreestPeers({stage: tuple(two) for stage, two in best.items()},
-                       {stage: tuple(two) for stage, two in idle.items()})
+            _keep_two((long if p.computes_long > 0 else no_long).setdefault(stage, []), (p.running, p.worker_id))
+    return FreestPeers(*({stage: tuple(two) for stage, two in by.items()}  # type: ignore[arg-type]
+                         for by in (best, idle, long, no_long)))
+
+
+def _other(two: tuple[tuple[int, str], ...], me: str) -> int | None:
+    for count, worker_id in two:
+        if worker_id != me:
+            return count
+    return None
+
+
+def computes_long(last_long_s: float | None, now_s: float) -> bool:
+    """Is an engine that last computed a long prompt at `last_long_s` (None: never) one where long prompts
+    gather, at `now_s`? While it computes one and for `LONG_PROMPT_MEMORY_S` after."""
+    return last_long_s is not None and now_s - last_long_s < LONG_PROMPT_MEMORY_S
+
+
+def leaves_until_due(stage: str, prefill_tokens: int, *, long_here: bool, peer_with_long: bool,
+                     peer_without_long: bool) -> bool:
+    """Does an elastic worker leave a head of `stage` with `prefill_tokens` prompt tokens to compute to its
+    peers until the head's latest start (see the module's docstring)? `long_here`: long prompts (those
+    claimed from the prefill stage) gather on its engine (`computes_long`); `peer_with_long` /
+    `peer_without_long`: a live peer with room where they do / do not (`FreestPeers.has_peer_with_long`,
+    `has_peer_without_long`). A KV hand-off (no prompt to compute) is never left: its KV waits in another
+    engine."""
+    if prefill_tokens <= 0:
+        return False
+    if stage == "decode":  # a short prompt, computed and decoded by whoever claims it
+        return long_here and peer_without_long
+    return not long_here and peer_with_long
 
 
 def _keep_two(two: list, item: tuple) -> None:

@@ -17,7 +17,8 @@ from skyline.core.config import SkylineConfig
 from skyline.core.fleet import WorkerInfo
 from skyline.core.keys import Keys
 from skyline.core.streams import Claimed, Head, TierQueues, enqueue, ensure_groups
-from skyline.scheduler.claiming import (CLAIM_DEFER_MAX_S, IDLE_PEER_ANSWER_S, NO_PEERS, claim_defer_s, freest_peers,
+from skyline.scheduler.claiming import (CLAIM_DEFER_MAX_S, IDLE_PEER_ANSWER_S, LONG_PROMPT_MEMORY_S, NO_PEERS,
+                                        claim_defer_s, computes_long, freest_peers, leaves_until_due,
                                         long_prompt_defer_s, tokens_left)
 from skyline.scheduler.tiers import DEFAULT_TIERS
 from skyline.workers import runtime as live_runtime
@@ -82,10 +83,10 @@ def test_tokens_left_estimates_prompts_one_after_another_from_their_claims():
 
 
 def _peer(wid: str, role: str, tokens: int, rate: float = 1000.0, running: int = 1, kv: float = 0.0,
-          left: int | None = None, seen: float = 0.0):
+          left: int | None = None, seen: float = 0.0, computes_long: int = 0):
     return SimpleNamespace(worker_id=wid, role=role, running=running, max_running=8, kv_usage=kv,
                            kv_watermark=0.9 if role != "prefill" else 0.0, running_tokens=tokens, tokens_per_s=rate,
-                           left_tokens=tokens if left is None else left, last_seen=seen)
+                           left_tokens=tokens if left is None else left, last_seen=seen, computes_long=computes_long)
 
 
 def test_the_freest_peer_of_the_stage_with_room_and_never_oneself():
@@ -131,6 +132,39 @@ def test_a_long_prompt_is_left_to_a_peer_decoding_fewer_streams_for_as_long_as_a
     assert long_prompt_defer_s(0, 0) == 0.0
     assert long_prompt_defer_s(3, None) == 0.0  # every peer computes (the rule above weighs that) or none
     assert long_prompt_defer_s(3, 1, max_s=0.0) == 0.0  # the defer is off
+
+
+def test_peers_with_room_where_long_prompts_gather_and_where_they_do_not_never_oneself():
+    peers = [_peer("rag", "elastic", 1400, running=2, computes_long=1),
+             _peer("chat", "elastic", 150, running=4), _peer("full", "elastic", 0, running=8, computes_long=1)]
+    freest = freest_peers(peers, prompt_budget=2048, prior_tokens_per_s=1000.0)
+    assert freest.has_peer_with_long("chat", "prefill")
+    assert not freest.has_peer_with_long("rag", "prefill")  # full has no room
+    assert freest.has_peer_without_long("rag", "decode")
+    assert not freest.has_peer_without_long("chat", "decode")
+    assert not NO_PEERS.has_peer_without_long("x", "decode") and not NO_PEERS.has_peer_with_long("x", "prefill")
+
+
+def test_long_prompts_gather_on_an_engine_while_it_computes_one_and_for_a_while_after():
+    assert not computes_long(None, 100.0)
+    assert computes_long(100.0, 100.0)
+    assert computes_long(100.0, 100.0 + LONG_PROMPT_MEMORY_S - 0.1)
+    assert not computes_long(100.0, 100.0 + LONG_PROMPT_MEMORY_S)
+
+
+def test_where_long_prompts_gather_short_prompts_are_left_to_a_peer_where_they_do_not():
+    assert leaves_until_due("decode", 150, long_here=True, peer_with_long=False, peer_without_long=True)
+    assert not leaves_until_due("decode", 150, long_here=True, peer_with_long=True, peer_without_long=False)
+    assert not leaves_until_due("decode", 150, long_here=False, peer_with_long=False, peer_without_long=True)
+    assert not leaves_until_due("decode", 0, long_here=True, peer_with_long=False, peer_without_long=True)  # KV
+
+
+def test_a_long_prompt_is_left_to_a_peer_where_long_prompts_gather():
+    assert leaves_until_due("prefill", 1400, long_here=False, peer_with_long=True, peer_without_long=False)
+    # Where they gather here too (every engine computes long prompts), nothing is left: the claim defer decides.
+    assert not leaves_until_due("prefill", 1400, long_here=True, peer_with_long=True, peer_without_long=False)
+    assert not leaves_until_due("prefill", 1400, long_here=False, peer_with_long=False, peer_without_long=True)
+    assert not leaves_until_due("prefill", 0, long_here=False, peer_with_long=True, peer_without_long=False)
 
 
 # -- the live worker ---------------------------------------------------------------------------------------

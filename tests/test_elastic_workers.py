@@ -346,3 +346,47 @@ async def test_the_pace_rule_holds_a_request_back_only_until_its_latest_start(re
         assert done["due-later"] > first_stream_done, done  # held back until the engine had room
     finally:
         await stop_fleet(client, rts, tasks)
+
+
+async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_ones_keep_off_it(redis_url, key_prefix):
+    """Long prompts (the prefill streams') go where long prompts are computed, and short ones to the engine
+    that computes none (scheduler/claiming.py `leaves_until_due`): the disaggregated split, found by the
+    engines. Before, the idle engine took the next long prompt at once, so that both engines ended up
+    computing long prompts beside chats' streams."""
+    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"))
+    keys = Keys(key_prefix)
+
+    def long_request(rid: str) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute
+        t = now_ms()
+        return m.GenerateRequest(rid, "skyline-sim", list(range(1, 1501)), m.SamplingSpec(max_tokens=4),
+                                 "interactive", t, t + 60_000, 60_000, 250, route="disagg")
+
+    def computed_on(frames) -> str:
+        final = frames[-1]
+        assert isinstance(final, m.Finished), final
+        return final.prefill_worker or final.decode_worker
+
+    try:
+        await wait_registered(client, key_prefix, 2)
+        for rt in rts:
+            while len(rt.peers) < 2:
+                await asyncio.sleep(0.05)
+        first = asyncio.create_task(run_request(client, keys, long_request("long-0"), timeout_s=30))
+        holder = other = None
+        for _ in range(200):  # until one engine computes it and its peer has seen so in a heartbeat
+            holder = next((rt for rt in rts if "long-0" in {h.request_id for h in rt.held}), None)
+            other = next((rt for rt in rts if rt is not holder), None)
+            if holder is not None and other.freest.has_peer_with_long(other.worker_id, "prefill"):
+                break
+            await asyncio.sleep(0.02)
+        assert holder is not None and other.freest.has_peer_with_long(other.worker_id, "prefill")
+        # The other engine is idle; the next long prompt still goes where the first is computed...
+        second = await run_request(client, keys, long_request("long-1"), timeout_s=30)
+        assert computed_on(second) == holder.worker_id
+        # ... and a short prompt (the colocated route) to the engine that computes none, however lightly loaded.
+        chats = await _serve_all(client, keys, [gen_request(f"chat-{i}", list(range(1, 30)), 4, route="colocated")
+                                                for i in range(3)])
+        assert {computed_on(f) for f in chats} == {other.worker_id}
+        assert computed_on(await first) == holder.worker_id
+    finally:
+        await stop_fleet(client, rts, tasks)

@@ -194,7 +194,7 @@ def _peer_of(sim: Simulation, role: str, loads: list[tuple[float, int]]) -> None
             return sim.loop.now  # it beats whenever it is read
 
     beat = Beat(worker_id=f"{role}-peer", role=role, running=0, max_running=sim.worker_cfg.max_running,
-                kv_usage=0.0, kv_watermark=0.0, running_tokens=0, tokens_per_s=0.0, left_tokens=0)
+                kv_usage=0.0, kv_watermark=0.0, running_tokens=0, tokens_per_s=0.0, left_tokens=0, computes_long=0)
     sim.peers.append(beat)
 
     def load(_arg, n: int) -> None:
@@ -732,7 +732,8 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
 
     real_claim_as = sim_queues.StageQueues.claim_as
 
-    def claim_as(q, me, now_ms, max_rank=None, rate=0.0):
+    def claim_as(q, me, now_ms, max_rank=None, rate=0.0, skip=None):
+        assert skip is None  # colocated workers leave no head to their peers (only elastic ones do)
         tq = live_streams.TierQueues(None, keys, q.stage, cfg.tiers, me)
         tq.live = set(sim.workers)
         entries, owner = [], {}
@@ -754,7 +755,7 @@ def test_placement_and_the_lane_rule_decide_as_the_live_gateway_and_streams(monk
         heads = tq.heads_of(entries)
         tier = tq.pick(heads, None, rate)
         live = owner[heads[tier].stream] if tier else None
-        item = real_claim_as(q, me, now_ms, max_rank, rate)
+        item = real_claim_as(q, me, now_ms, max_rank, rate, skip)
         got = item[0] if item else None
         assert got is live, (f"claims differ at {now_ms} ms for {me}: simulated {got and _rid(got)}, "
                              f"live {live and _rid(live)}")

@@ -119,6 +119,28 @@ async def test_a_claim_due_by_a_time_takes_only_a_head_that_must_start_by_then(r
     assert c is not None and c.message.request_id == "rag"
 
 
+async def test_an_elastic_worker_leaves_heads_to_its_peers_only_until_they_must_start(r, key_prefix):
+    # `leave` (scheduler/claiming.py leaves_until_due) passes over a head that may still wait, whatever its
+    # order, and takes the next; a head past its latest start is claimed whatever `leave` says.
+    keys = Keys(key_prefix)
+    for stage in ("prefill", "decode"):
+        await ensure_groups(r, keys, TIERS, stage)
+    t = now_ms()
+    await enqueue(r, keys, "decode", sized("chat", "interactive", t + 60_000, 150), 1000)  # first by latest start
+    await enqueue(r, keys, "prefill", sized("rag", "standard", t + 120_000, 1_500), 1000)
+    await enqueue(r, keys, "decode", sized("late", "batch", t - 1, 150), 1000)  # must start now
+    q = StageQueues({s: TierQueues(r, keys, s, DEFAULT_TIERS, "w") for s in ("prefill", "decode")})
+    left: list[tuple[str, str]] = []
+
+    def leave_chats(stage: str, head) -> bool:
+        left.append((stage, head.request_id))
+        return stage == "decode"
+
+    assert await _order(q, tokens_per_s=300.0, leave=leave_chats) == ["late", "rag"]
+    assert ("decode", "chat") in left and ("decode", "late") not in left  # a late head is not asked about
+    assert await _order(q, tokens_per_s=300.0) == ["chat"]
+
+
 async def test_work_returned_to_the_queue_comes_back_before_what_arrived_after_it(r, key_prefix):
     """A preempted request goes to its tier's retry lane with its original deadline: it is
     claimed before the tier's newer entries, and EDF across tiers still sees its deadline."""

@@ -42,7 +42,8 @@ from skyline.core.stopping import STOP_STEP_S, bounded_step
 from skyline.core.stage_queues import StageQueues
 from skyline.core.streams import Head, TierQueues, enqueue, ensure_groups, now_ms, open_lanes, queued_tokens
 from skyline.scheduler.claiming import (NO_PEERS, RECHECK_S, ClaimRoom, ClaimShield, FreestPeers, claim_defer_s,
-                                        freest_peers, long_prompt_defer_s, tokens_left)
+                                        computes_long, freest_peers, leaves_until_due, long_prompt_defer_s,
+                                        tokens_left)
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, tightest_target_ms
 from skyline.scheduler.edf import pick_tier
 from skyline.scheduler.elastic import decoder_for, has_room
@@ -90,6 +91,7 @@ class WorkerRuntime:
         # A decode claim takes the entry and its request's run in one round trip (workers/runs.py).
         self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if "decode" in self.stages else None
         self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
+        self.last_long_s: float | None = None  # when its engine last computed a long prompt (`_computes_long`)
         self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
         self.freest: FreestPeers = NO_PEERS  # the peers that free their engines first, of `peers` (claim defer)
         self._announcing: set[asyncio.Task] = set()  # heartbeats between beats (`_announce`)
@@ -410,7 +412,8 @@ class WorkerRuntime:
                 # (a head due to start now is not left to a peer: waiting would make it late)
                 claimed = await self.queues.claim(block_ms=0 if due_by_ms else 500, tiers=tiers, take=self.take,
                                                   defer=None if due_by_ms else self._claim_defer, wake=self.held.freed,
-                                                  tokens_per_s=self.tokens_per_s(), due_by_ms=due_by_ms)
+                                                  tokens_per_s=self.tokens_per_s(), due_by_ms=due_by_ms,
+                                                  **({"leave": self._leaves} if self.elastic else {}))
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -424,7 +427,8 @@ class WorkerRuntime:
                 await self._ensure_groups()
                 continue
             if claimed is None:
-                if due_by_ms is not None:  # paced out and no head is due to start yet: look again soon
+                if due_by_ms is not None or (self.elastic and self.queues.left_heads):  # type: ignore[union-attr]
+                    # Paced out, or heads left to peers (`_leaves`), and none due to start yet: look again soon.
                     await _wait_any(room, self.stopping, timeout=RECHECK_S)
                     continue
                 # Only other tiers' entries may be waiting: claim any tier at once if the shield lifts,
@@ -436,6 +440,25 @@ class WorkerRuntime:
             if self.preemption.enabled and held.computing:  # it will compete for the step budget
                 await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
             self._start(held, room)
+
+    def _leaves(self, stage: str, head: Head) -> bool:
+        """Does this elastic worker leave `head` of `stage` to its peers until it must start
+        (scheduler/claiming.py `leaves_until_due`): a short prompt while long prompts gather on its engine
+        and a peer's they do not, a long prompt while they gather on a peer's and not here? Asked at each
+        look at the heads, a claim that blocks for an entry included: the state it weighs may change meanwhile."""
+        if not head.prefill_tokens:
+            return False  # (a KV hand-off: nothing to weigh)
+        long_here, me, peers = self._computes_long(), self.worker_id, self.freest
+        return leaves_until_due(stage, head.prefill_tokens, long_here=long_here,
+                                peer_with_long=not long_here and peers.has_peer_with_long(me, "prefill"),
+                                peer_without_long=long_here and peers.has_peer_without_long(me, "decode"))
+
+    def _computes_long(self) -> bool:
+        """Do long prompts (the prefill stage's) gather on this engine (scheduler/claiming.py `computes_long`)?"""
+        now = time.monotonic()
+        if any(h.stage == "prefill" for h in self.held.computing_prompts()):
+            self.last_long_s = now
+        return computes_long(self.last_long_s, now)
 
     def _streams(self) -> int:
         """Requests it decodes, or will (held to be served as decode work): what placing a decode and the
@@ -608,6 +631,7 @@ class WorkerRuntime:
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.held), s.waiting, s.kv_usage
         self.info.running_tokens = self.rules.running_tokens(self.held)
         self.info.left_tokens = self._left_tokens(self.tokens_per_s()) if self.held.computing_prompts() else 0
+        self.info.computes_long = int(self.elastic and self._computes_long())
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0

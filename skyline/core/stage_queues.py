@@ -11,12 +11,17 @@ on the lanes of both stages at once, so an idle worker wakes for work of either.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from skyline.core import messages
 from skyline.core.streams import Claimed, Defer, Head, Take, TierQueues, defer_claim, now_ms
 from skyline.scheduler.decode_room import paced_claim_due
 from skyline.scheduler.edf import pick_tier, start_by_ms
 from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
+
+
+# (stage, head) -> does the claimer leave that head to its peers until it must start (elastic workers)?
+Leave = Callable[[str, Head], bool]
 
 
 def stage_of_message(msg: messages.Message) -> str:
@@ -30,6 +35,7 @@ class StageQueues:
         first = next(iter(self.by_stage.values()))
         self.r, self.keys, self.consumer = first.r, first.keys, first.consumer
         self.tier_names = first.tier_names
+        self.left_heads = False  # the last `pick` passed over a head its `leave` left to peers
 
     def of(self, claimed: Claimed) -> TierQueues:
         return self.by_stage[stage_of_message(claimed.message)]
@@ -58,16 +64,22 @@ class StageQueues:
         return out
 
     def pick(self, heads: list[tuple[str, Head]], tiers: tuple[str, ...] | None = None, tokens_per_s: float = 0.0,
-             due_by_ms: int | None = None) -> tuple[str, Head] | None:
+             due_by_ms: int | None = None, leave: Leave | None = None) -> tuple[str, Head] | None:
         """The head to claim: earliest latest start first over every stage (`start_by_ms` at the claimer's
         `tokens_per_s`, 0: by deadline; the tiers' EDF, `pick_tier`, within each stage), the decode stage
         first among equals (`stage_due_first`); among `tiers` only, if given; with `due_by_ms`, only if it
-        must start by then."""
+        must start by then; a head `leave(stage, head)` leaves to peers (`claiming.leaves_until_due`) only
+        once it must start now."""
+        now = now_ms() if leave is not None else 0
+        self.left_heads = False
         first: dict[str, tuple[int, Head]] = {}  # stage -> (key, its head due first)
         for stage, head in heads:
             if tiers is not None and head.tier not in tiers:
                 continue
             key = start_by_ms(head.deadline_ms, head.prefill_tokens, tokens_per_s)
+            if leave is not None and not paced_claim_due(key, now) and leave(stage, head):
+                self.left_heads = True
+                continue
             seen = first.get(stage)
             if seen is None or key < seen[0] or (
                     key == seen[0] and pick_tier({seen[1].tier: key, head.tier: key}, self.tier_names) == head.tier):
@@ -89,13 +101,13 @@ class StageQueues:
     async def claim(self, block_ms: int = 1000, tiers: tuple[str, ...] | None = None,
                     take: Take | None = None, defer: Defer | None = None,
                     wake: asyncio.Event | None = None, tokens_per_s: float = 0.0,
-                    due_by_ms: int | None = None) -> Claimed | None:
+                    due_by_ms: int | None = None, leave: Leave | None = None) -> Claimed | None:
         """Claim the head due first over every stage (`take`: for the decode stage's entries; `defer`,
-        `wake`, `tokens_per_s` and `due_by_ms`: as `TierQueues.claim`'s)."""
-        chosen = self.pick(await self.peek_all(block_ms), tiers, tokens_per_s, due_by_ms)
+        `wake`, `tokens_per_s` and `due_by_ms`: as `TierQueues.claim`'s; `leave`: as `pick`'s)."""
+        chosen = self.pick(await self.peek_all(block_ms), tiers, tokens_per_s, due_by_ms, leave)
         if chosen is not None and defer is not None and (wait := defer(chosen[1])) > 0:
             await defer_claim(wait, wake)
-            chosen = self.pick(await self.peek_all(0), tiers, tokens_per_s, due_by_ms)
+            chosen = self.pick(await self.peek_all(0), tiers, tokens_per_s, due_by_ms, leave)
         if chosen is None:
             return None
         stage, head = chosen

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from skyline.tools.simulate.fleet import Simulation
     from skyline.tools.simulate.prefill_worker import PrefillWorker
     from skyline.tools.simulate.prefix_cache import PrefixCache
-    from skyline.tools.simulate.queues import StageQueues
+    from skyline.tools.simulate.queues import Skip, StageQueues
 
 PACE_READ_S = 0.5  # the pace rule's verdict is re-read at most this often (its window is 10 s)
 
@@ -137,7 +137,8 @@ class DecodeWorker:
         self.asleep = False
         self.sleep_q: StageQueues | None = None
         self.sleeps = 0
-        self.paced_wake_at: float | None = None  # paced out: when the head it saw must start (`paced_due`)
+        # Paced out, or leaving a head to its peers: when the head it saw must start (`wake_when_due`)
+        self.due_wake_at: float | None = None
         self.defers = sim.worker_cfg.claim_defer_max_s > 0
 
     # -- room and claims ---------------------------------------------------------------
@@ -215,19 +216,28 @@ class DecodeWorker:
             return None
         if paced_claim_due(key, now_ms):
             return q
-        at = (key + 0.5) / 1000  # (half a ms on: the clock read then is `key` ms, whatever the rounding)
-        if self.paced_wake_at is None or at < self.paced_wake_at:
-            self.paced_wake_at = at
-            self.loop.at(at, self._paced_wake, at)
+        self.wake_when_due(key)
         return None
 
-    def _paced_wake(self, at: float) -> None:
-        """The head a paced-out worker saw must start now (`paced_due`); a wake-up superseded by an earlier
-        one does nothing (that one looked, and armed the next)."""
-        if self.paced_wake_at != at:
+    def wake_when_due(self, key_ms: int) -> None:
+        """Look at the queues again when a head seen now must start (`key_ms`, its latest start): a paced-out
+        worker (`paced_due`), or an elastic one that leaves the head to its peers until then."""
+        at = (key_ms + 0.5) / 1000  # (half a ms on: the clock read then is `key_ms` ms, whatever the rounding)
+        if self.due_wake_at is None or at < self.due_wake_at:
+            self.due_wake_at = at
+            self.loop.at(at, self._due_wake, at)
+
+    def _due_wake(self, at: float) -> None:
+        """The head it saw must start now (`wake_when_due`); a wake-up superseded by an earlier one does
+        nothing (that one looked, and armed the next)."""
+        if self.due_wake_at != at:
             return
-        self.paced_wake_at = None
+        self.due_wake_at = None
         self.claim_while_room()
+
+    def leave_for(self, q: StageQueues) -> Skip | None:
+        """The heads of `q` it leaves to its peers until they must start (`ElasticWorker`); None: none."""
+        return None
 
     def claim_wait(self, q: StageQueues | None = None) -> tuple | None:
         """(stage queue, entry, seconds) when the worker's next claim, from `q` (default: the stage it would

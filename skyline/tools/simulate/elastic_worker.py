@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from skyline.scheduler.claiming import long_prompt_defer_s
+from skyline.scheduler.claiming import computes_long, leaves_until_due, long_prompt_defer_s
 from skyline.scheduler.elastic import decoder_for, has_room, stage_due_first
 from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.preempt import measured_rate
@@ -25,13 +25,14 @@ from skyline.tools.simulate.request import SimRequest
 
 if TYPE_CHECKING:
     from skyline.tools.simulate.fleet import Simulation
-    from skyline.tools.simulate.queues import StageQueues
+    from skyline.tools.simulate.queues import Skip, StageQueues
 
 
 class ElasticWorker(DecodeWorker):
     def __init__(self, sim: Simulation, wid: int):
         super().__init__(sim, wid)
         self.name = f"elastic-{wid}"
+        self.last_long_s: float | None = None  # when its engine last computed a long prompt (`computes_long`)
 
     def work_waiting(self) -> bool:
         sim = self.sim
@@ -48,7 +49,14 @@ class ElasticWorker(DecodeWorker):
         while True:
             dues: dict[str, int] = {}
             for stage, q in (("decode", sim.decode_q), ("prefill", sim.prefill_q)):
-                due = q.due_for(self.name, now_ms, max_rank, rate) if q.size else None
+                if not q.size:
+                    continue
+                skip = self.leave_for(q)
+                due = q.due_for(self.name, now_ms, max_rank, rate, skip)
+                if skip is not None:
+                    head = q.due_for(self.name, now_ms, max_rank, rate)
+                    if head is not None and head != due:  # its head is left to peers: look again when due
+                        self.wake_when_due(head)
                 if due is not None:
                     dues[stage] = due
             first = stage_due_first(dues)
@@ -58,6 +66,29 @@ class ElasticWorker(DecodeWorker):
             if max_rank is None or not gate.found_nothing(h.req.rank for h in self.local):
                 return None
             max_rank = None
+
+    def leave_for(self, q: StageQueues) -> Skip | None:
+        """The heads of `q` it leaves to its peers until they must start (`claiming.leaves_until_due`; live:
+        `WorkerRuntime._leave`): short prompts while its engine computes a long one and a peer computes none;
+        long prompts while they gather on a peer's and not here. None: it leaves none."""
+        sim = self.sim
+        long_here = self.computes_long()
+        with_long = not long_here and sim.freest.has_peer_with_long(self.name, "prefill")
+        without_long = long_here and sim.freest.has_peer_without_long(self.name, "decode")
+        if not (with_long or without_long):
+            return None
+        stage = "decode" if q is sim.decode_q else "prefill"
+        return lambda item: leaves_until_due(stage, item[0].backlog_tokens if item[1] is None else 0,
+                                             long_here=long_here, peer_with_long=with_long,
+                                             peer_without_long=without_long)
+
+    def computes_long(self) -> bool:
+        """Do long prompts (the prefill stage's) gather on its engine (`claiming.computes_long`; live:
+        `WorkerRuntime._computes_long`)?"""
+        now = self.loop.now
+        if any(h.queue is self.sim.prefill_q for h in self.local):
+            self.last_long_s = now
+        return computes_long(self.last_long_s, now)
 
     def may_defer(self) -> bool:
         """Its engine computes prompts, or decodes streams that a long prompt would slow

@@ -190,7 +190,7 @@ class Simulation:
         # scheduler.claiming.freest_peers); and where a full worker looks for a head to preempt for.
         self.peers = [SimpleNamespace(worker_id=w.name, role=role, running=0, max_running=cfg.worker.max_running,
                                       kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark if role != "prefill" else 0.0,
-                                      running_tokens=0, tokens_per_s=0.0, left_tokens=0, last_seen=0.0)
+                                      running_tokens=0, tokens_per_s=0.0, left_tokens=0, last_seen=0.0, computes_long=0)
                       for role, pool in (("prefill", self.prefill_workers), (decode_role, self.decode_workers))
                       for w in pool]
         self._decode_peers = self.peers[len(self.prefill_workers):]
@@ -281,8 +281,7 @@ class Simulation:
         # New entries go to the workers blocked longest (Redis serves blocked XREADGROUPs in order); each
         # claims if it has room and re-queues itself at the tail while it has room (a shielded worker that
         # finds nothing it may take leaves the queue).
-        while q.size > q.placed_size and ready and self._wake_one(ready):
-            pass
+        self._wake_for(q, ready)
         if q.size and self.preemption.enabled:
             self._arm_preemption()
 
@@ -314,6 +313,17 @@ class Simulation:
                 return
             if not self._wake_one(ready, 1):
                 return
+
+    def _wake_for(self, q: StageQueues, ready: deque) -> None:
+        """Wake waiting workers, longest-waiting first, while `q` has entries for anyone. A worker that claims
+        nothing of it (an elastic worker leaving the heads to its peers, `leave_for`, or claiming from its
+        other stage) stays waiting at the tail: after every waiting worker has in a row, the rest wait."""
+        idle = 0
+        while q.size > q.placed_size and ready and idle < len(ready):
+            size = q.size
+            if not self._wake_one(ready):
+                return
+            idle = idle + 1 if q.size == size else 0
 
     def _wake_one(self, ready: deque, placed: int = 0) -> bool:
         """Wake the waiting worker that claims the next entry (`_claimer`); False when none is woken."""
@@ -368,8 +378,7 @@ class Simulation:
         q, ready = self.decode_q, self.decode_ready
         q.queues[req.tier].append((req, self.loop.now if kv_from_prefill else None))  # q.push, inlined
         q.size += 1
-        while q.size > q.placed_size and ready and self._wake_one(ready):  # to the workers blocked longest
-            pass
+        self._wake_for(q, ready)  # to the workers blocked longest
 
     def hand_off(self, req: SimRequest, peer: str, by: str) -> None:
         """An elastic worker computed the prompt and hands its decode to `peer`: on the peer's affinity lane
@@ -444,6 +453,7 @@ class Simulation:
         peer.running_tokens = w.local_tokens
         peer.tokens_per_s = w.rate_cache[1]
         peer.left_tokens = left_tokens(w, w.local, measured_rate(w)) if w.local else 0
+        peer.computes_long = int(isinstance(w, ElasticWorker) and w.computes_long())
         peer.last_seen = self.loop.now
         return peer
 

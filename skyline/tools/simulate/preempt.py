@@ -76,14 +76,15 @@ def claim_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) 
     tiers computing among the handles in `held`, the shield lifts."""
     gate = worker.claims
     rate = measured_rate(worker)  # heads are compared by latest start at it (scheduler.edf.start_by_ms)
+    skip = worker.leave_for(q)  # heads an elastic worker leaves to its peers until due (the general path)
     if gate.shield is None:
-        if q.placed_size:  # work placed for workers' prefix caches waits: the lane rule decides
-            return q.claim_as(worker.name, int(worker.sim.loop.now * 1000), None, rate)
+        if q.placed_size or skip is not None:  # work placed for workers' prefix caches waits: the lane rule decides
+            return q.claim_as(worker.name, int(worker.sim.loop.now * 1000), None, rate, skip)
         return q.claim(None, rate)  # (the hot path: no shield up)
     while True:
         max_rank = gate.max_rank(int(worker.sim.loop.now * 1000))
-        if q.placed_size:
-            item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank, rate)
+        if q.placed_size or skip is not None:
+            item = q.claim_as(worker.name, int(worker.sim.loop.now * 1000), max_rank, rate, skip)
         else:
             item = q.claim(max_rank, rate)
         if item is not None or max_rank is None:
@@ -99,11 +100,13 @@ def peek_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) -
     gate = worker.claims
     now_ms = int(worker.sim.loop.now * 1000)
     rate = measured_rate(worker)
+    skip = worker.leave_for(q)
+    general = q.placed_size or skip is not None
     if gate.shield is None:
-        return q.peek_as(worker.name, now_ms, None, rate) if q.placed_size else q.peek(None, rate)
+        return q.peek_as(worker.name, now_ms, None, rate, skip) if general else q.peek(None, rate)
     while True:
         max_rank = gate.max_rank(now_ms)
-        item = q.peek_as(worker.name, now_ms, max_rank, rate) if q.placed_size else q.peek(max_rank, rate)
+        item = q.peek_as(worker.name, now_ms, max_rank, rate, skip) if general else q.peek(max_rank, rate)
         if item is not None or max_rank is None:
             return item
         if not gate.found_nothing(h.req.rank for h in held):

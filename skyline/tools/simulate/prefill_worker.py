@@ -146,6 +146,10 @@ class PrefillWorker:
         """Seconds the worker would wait before claiming entry `item` of `q` (0: it claims it now)."""
         return claim_defer(self, q, item, self.held) if self.held else 0.0
 
+    def leave_for(self, q: StageQueues) -> None:
+        """A prefill worker leaves no head to its peers (the elastic worker's rule)."""
+        return None
+
     def idle_claim_defer(self, q: StageQueues) -> float:
         """The claim defer of a worker whose engine computes no prompt: none."""
         return 0.0

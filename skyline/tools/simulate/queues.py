@@ -24,10 +24,14 @@ this runs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from skyline.scheduler.edf import pick_tier, retry_first, start_by_ms
 from skyline.scheduler.prefix import may_claim
 from skyline.tools.simulate.request import SimRequest
+
+# An entry -> does the claimer leave it to its peers until it must start (live: `stage_queues.Leave`)?
+Skip = Callable[[tuple], bool]
 
 
 class StageQueues:
@@ -107,9 +111,11 @@ class StageQueues:
                     return True
         return False
 
-    def _choose(self, me: str, now_ms: int, max_rank: int | None, rate: float = 0.0) -> tuple | None:
+    def _choose(self, me: str, now_ms: int, max_rank: int | None, rate: float = 0.0,
+                skip: Skip | None = None) -> tuple | None:
         """(lane, holder or None, latest start ms at prefill rate `rate`) of the EDF head among the entries
-        worker `me` may claim (its own lanes, the shared streams, others' lanes past their bound), or None."""
+        worker `me` may claim (its own lanes, the shared streams, others' lanes past their bound), or None;
+        a tier's head that `skip` leaves to peers only once it must start (live: `StageQueues.pick`)."""
         tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
         heads: dict[str, int] = {}
         chosen: dict[str, tuple] = {}
@@ -130,23 +136,27 @@ class StageQueues:
                         best, due, holder = lane, d, worker
             if best is not None:
                 key = start_key(best[0], due, rate)
+                if skip is not None and key > now_ms and skip(best[0]):
+                    continue
                 heads[t], chosen[t] = key, (best, holder, key)
         if not heads:
             return None
         return chosen[pick_tier(heads, self.tier_order)]  # type: ignore[index]
 
-    def due_for(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0) -> int | None:
+    def due_for(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0,
+                skip: Skip | None = None) -> int | None:
         """The latest start (ms, at prefill rate `rate`) of the entry `claim_as` would give worker `me`, None
         when none: what an elastic worker compares across its two stages (scheduler.elastic.stage_due_first)
         and a paced-out worker against the clock (scheduler.decode_room.paced_claim_due)."""
         if not self.size:
             return None
-        chosen = self._choose(me, now_ms, max_rank, rate)
+        chosen = self._choose(me, now_ms, max_rank, rate, skip)
         return None if chosen is None else chosen[2]
 
-    def peek_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0):
+    def peek_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0,
+                skip: Skip | None = None):
         """The entry `claim_as` would give worker `me`, left where it is (None when none)."""
-        chosen = self._choose(me, now_ms, max_rank, rate)
+        chosen = self._choose(me, now_ms, max_rank, rate, skip)
         return None if chosen is None else chosen[0][0]
 
     def peek(self, max_rank: int | None = None, rate: float = 0.0):
@@ -169,10 +179,11 @@ class StageQueues:
             return None
         return self._lane(pick_tier(heads, self.tier_order))[0]  # type: ignore[arg-type, index]
 
-    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0):
+    def claim_as(self, me: str, now_ms: int, max_rank: int | None = None, rate: float = 0.0,
+                 skip: Skip | None = None):
         """`claim` with affinity lanes: the EDF head among those worker `me` may claim (its own lanes,
-        the shared streams, others' lanes past their bound), or None."""
-        chosen = self._choose(me, now_ms, max_rank, rate)
+        the shared streams, others' lanes past their bound), or None; `skip`: as `_choose`'s."""
+        chosen = self._choose(me, now_ms, max_rank, rate, skip)
         if chosen is None:
             return None
         lane, holder, _due = chosen
