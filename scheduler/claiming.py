@@ -53,9 +53,9 @@ peer takes to answer); with no such peer it is claimed at once. Measured on the
 mixed chat + RAG benchmark: without this, a chat went to the engine computing a
 1,800-token RAG prompt while its peer only decoded, and both missed their targets.
 
-Who claims at all, until a head is due (`leaves_until_due`, elastic workers). Long prompts (those the
-gateway routed through the prefill streams) gather on an engine once it computes one: for
-`LONG_PROMPT_MEMORY_S` after its last (`computes_long`), a peer where they do not gather leaves the next
+Who claims at all, until a head is due (`leaves_until_due`, elastic workers; off unless `[worker]
+long_prompt_memory_s` is set, see below). Long prompts (those the gateway routed through the prefill
+streams) gather on an engine once it computes one: for `long_prompt_memory_s` after its last (`computes_long`), a peer where they do not gather leaves the next
 long prompt to it (while it has room), and it leaves short prompts (the colocated route) to a live peer
 where they do not gather. Each waits only until the head's latest start (`scheduler.edf.start_by_ms`):
 past it, waiting would only make the head late, and whoever looks first claims it. So the engines find
@@ -65,7 +65,11 @@ above decides alone. Measured on the mixed chat + RAG benchmark at 0.8 req/s: ch
 shared 128-token steps with a RAG prompt's chunks ran 2-5x their TPOT target, and a chat claimed beside
 a RAG prompt missed its TTFT; with long prompts given to the engine decoding fewer streams they
 alternated between the two engines (a RAG's own decode stays where it was computed), so that every
-engine ran chats beside RAG chunks; the fixed 1P + 1D split kept them apart.
+engine ran chats beside RAG chunks; the fixed 1P + 1D split kept them apart. Off by default: a worker
+leaves a head to a peer without asking whether that peer can start it before the head's latest start,
+and in a large fleet the few engines where long prompts do not gather then get every short prompt
+(simulated, the DistServe check at 128 GPUs of elastic TP=2 engines: 4.45 req/s per GPU against 7.14
+without the rule). Bounding it by the peer's time to free (`FreestPeers.free_s` per kind) is the next step.
 """
 
 from __future__ import annotations
@@ -95,10 +99,11 @@ CLAIM_DEFER_MAX_S = 0.25
 IDLE_PEER_ANSWER_S = 0.1
 
 # How long an engine that computed a long prompt stays the one long prompts gather on and short prompts
-# keep off (`leaves_until_due`): longer than the gaps between long prompts under a load that needs the
-# split (the mixed benchmark's RAG prompts, 0.16/s at 0.8 req/s: 6 s apart on average), so that the
-# engines do not swap roles between two of them, each swap leaving chats' streams on the engine that
-# takes the next long prompt; short enough that an engine returns to short prompts soon after they stop.
+# keep off (`leaves_until_due`), where the rule is on (`[worker] long_prompt_memory_s`, off by default):
+# longer than the gaps between long prompts under a load that needs the split (the mixed benchmark's RAG
+# prompts, 0.16/s at 0.8 req/s: 6 s apart on average), so that the engines do not swap roles between two
+# of them, each swap leaving chats' streams on the engine that takes the next long prompt; short enough
+# that an engine returns to short prompts soon after they stop.
 LONG_PROMPT_MEMORY_S = 15.0
 
 
@@ -242,10 +247,11 @@ def _other(two: tuple[tuple[int, str], ...], me: str) -> int | None:
     return None
 
 
-def computes_long(last_long_s: float | None, now_s: float) -> bool:
+def computes_long(last_long_s: float | None, now_s: float, memory_s: float) -> bool:
     """Is an engine that last computed a long prompt at `last_long_s` (None: never) one where long prompts
-    gather, at `now_s`? While it computes one and for `LONG_PROMPT_MEMORY_S` after."""
-    return last_long_s is not None and now_s - last_long_s < LONG_PROMPT_MEMORY_S
+    gather, at `now_s`? While it computes one and for `memory_s` after (`[worker] long_prompt_memory_s`;
+    0: never, the rule is off)."""
+    return memory_s > 0 and last_long_s is not None and now_s - last_long_s < memory_s
 
 
 def leaves_until_due(stage: str, prefill_tokens: int, *, long_here: bool, peer_with_long: bool,

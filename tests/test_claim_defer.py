@@ -146,10 +146,12 @@ def test_peers_with_room_where_long_prompts_gather_and_where_they_do_not_never_o
 
 
 def test_long_prompts_gather_on_an_engine_while_it_computes_one_and_for_a_while_after():
-    assert not computes_long(None, 100.0)
-    assert computes_long(100.0, 100.0)
-    assert computes_long(100.0, 100.0 + LONG_PROMPT_MEMORY_S - 0.1)
-    assert not computes_long(100.0, 100.0 + LONG_PROMPT_MEMORY_S)
+    m = LONG_PROMPT_MEMORY_S
+    assert not computes_long(None, 100.0, m)
+    assert computes_long(100.0, 100.0, m)
+    assert computes_long(100.0, 100.0 + m - 0.1, m)
+    assert not computes_long(100.0, 100.0 + m, m)
+    assert not computes_long(100.0, 100.0, 0.0)  # the rule is off (the default)
 
 
 def test_where_long_prompts_gather_short_prompts_are_left_to_a_peer_where_they_do_not():

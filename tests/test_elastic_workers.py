@@ -9,6 +9,7 @@ from skyline.core.timeline import read_timeline
 from skyline.workers.engines.sim import SimTiming
 from tests.inprocess import start_fleet, stop_fleet, wait_registered
 from skyline.core.streams import now_ms
+from skyline.scheduler.claiming import LONG_PROMPT_MEMORY_S
 from tests.test_worker_flow import gen_request, run_request
 
 # A prompt token costs 1 ms, a decode step 20 ms: prompts and streams overlap as on a real engine.
@@ -353,7 +354,8 @@ async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_on
     that computes none (scheduler/claiming.py `leaves_until_due`): the disaggregated split, found by the
     engines. Before, the idle engine took the next long prompt at once, so that both engines ended up
     computing long prompts beside chats' streams."""
-    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"))
+    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"),
+                                                long_prompt_memory_s=LONG_PROMPT_MEMORY_S)
     keys = Keys(key_prefix)
 
     def long_request(rid: str) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute

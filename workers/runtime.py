@@ -458,7 +458,7 @@ class WorkerRuntime:
         now = time.monotonic()
         if any(h.stage == "prefill" for h in self.held.computing_prompts()):
             self.last_long_s = now
-        return computes_long(self.last_long_s, now)
+        return computes_long(self.last_long_s, now, self.cfg.worker.long_prompt_memory_s)
 
     def _streams(self) -> int:
         """Requests it decodes, or will (held to be served as decode work): what placing a decode and the

@@ -173,6 +173,11 @@ class WorkerConfig:
     # or less, claims it first (scheduler/claiming.py `claim_defer_s`); 0 = claim at once, the first to
     # answer wins.
     claim_defer_max_s: float = CLAIM_DEFER_MAX_S
+    # elastic: for how long after its last long prompt an engine stays the one long prompts gather on and
+    # short prompts keep off (scheduler/claiming.py `leaves_until_due`; 15 = what the mixed benchmark ran
+    # with); 0 = off, the default: it leaves a head to a peer without asking whether that peer can start it
+    # in time, and simulated at 128 GPUs (the DistServe check) that cost a third of the goodput.
+    long_prompt_memory_s: float = 0.0
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction
     # of the tightest TPOT target among them (scheduler/decode_room.py); 0 = no such limit

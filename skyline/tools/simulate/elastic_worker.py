@@ -88,7 +88,7 @@ class ElasticWorker(DecodeWorker):
         now = self.loop.now
         if any(h.queue is self.sim.prefill_q for h in self.local):
             self.last_long_s = now
-        return computes_long(self.last_long_s, now)
+        return computes_long(self.last_long_s, now, self.sim.worker_cfg.long_prompt_memory_s)
 
     def may_defer(self) -> bool:
         """Its engine computes prompts, or decodes streams that a long prompt would slow
