@@ -55,8 +55,8 @@ mixed chat + RAG benchmark: without this, a chat went to the engine computing a
 
 Who claims at all, until a head is due (`leaves_until_due`, elastic workers; off unless `[worker]
 long_prompt_memory_s` is set, see below). Long prompts (those the gateway routed through the prefill
-streams) gather on an engine once it computes one: for `long_prompt_memory_s` after its last (`computes_long`), a peer where they do not gather leaves the next
-long prompt to it (while it has room), and it leaves short prompts (the colocated route) to a live peer
+streams) gather on an engine once it computes one: for `long_prompt_memory_s` after its last
+(`computes_long`), a peer where they do not gather leaves the next long prompt to it (while it has room), and it leaves short prompts (the colocated route) to a live peer
 where they do not gather. Each waits only until the head's latest start (`scheduler.edf.start_by_ms`):
 past it, waiting would only make the head late, and whoever looks first claims it. So the engines find
 the disaggregated split under a load that needs it, and give it up when the long prompts stop; where
@@ -76,11 +76,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from skyline.scheduler.elastic import STAGES_OF_ROLE, PeerLoad, has_room
 from skyline.scheduler.preemption import Shield
 from skyline.scheduler.throughput import rate_or_prior
+
+T = TypeVar("T")
 
 # A full worker holding prompts re-checks the heads of its tier streams for a request that would be
 # late (fleet-level preemption), and a shielded worker whose tiers have nothing waiting looks again,
@@ -190,10 +192,7 @@ class FreestPeers:
     def fewest_streams(self, me: str, stage: str) -> int | None:
         """The fewest requests a peer of worker `me` that may claim `stage`'s prompts holds while computing
         no prompt (None: no such peer)."""
-        for running, worker_id in self.idle_by_stage.get(stage, ()):
-            if worker_id != me:
-                return running
-        return None
+        return _other(self.idle_by_stage.get(stage, ()), me)
 
     def has_peer_with_long(self, me: str, stage: str) -> bool:
         """Has worker `me` a peer with room that may claim `stage`'s prompts and where long prompts gather
@@ -208,10 +207,8 @@ class FreestPeers:
     def free_s(self, me: str, stage: str, now: float) -> float | None:
         """In how many seconds from `now` the freest peer of worker `me` that may claim `stage`'s prompts is
         free (0: it should be already); None when it has no such peer."""
-        for free_at, worker_id in self.by_stage.get(stage, ()):
-            if worker_id != me:
-                return max(0.0, free_at - now)
-        return None
+        free_at = _other(self.by_stage.get(stage, ()), me)
+        return None if free_at is None else max(0.0, free_at - now)
 
 
 NO_PEERS = FreestPeers()
@@ -240,10 +237,11 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
                          for by in (best, idle, long, no_long)))
 
 
-def _other(two: tuple[tuple[int, str], ...], me: str) -> int | None:
-    for count, worker_id in two:
+def _other(two: tuple[tuple[T, str], ...], me: str) -> T | None:
+    """The first of `two` ((value, worker id), best first) that is not worker `me`'s: its value (None: none)."""
+    for value, worker_id in two:
         if worker_id != me:
-            return count
+            return value
     return None
 
 

@@ -91,6 +91,9 @@ class WorkerRuntime:
         # A decode claim takes the entry and its request's run in one round trip (workers/runs.py).
         self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if "decode" in self.stages else None
         self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
+        # Long prompts gather on engines (scheduler/claiming.py `leaves_until_due`): off unless configured,
+        # and then only where both stages are consumed.
+        self.gathers_long = self.elastic and cfg.worker.long_prompt_memory_s > 0
         self.last_long_s: float | None = None  # when its engine last computed a long prompt (`_computes_long`)
         self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
         self.freest: FreestPeers = NO_PEERS  # the peers that free their engines first, of `peers` (claim defer)
@@ -413,7 +416,7 @@ class WorkerRuntime:
                 claimed = await self.queues.claim(block_ms=0 if due_by_ms else 500, tiers=tiers, take=self.take,
                                                   defer=None if due_by_ms else self._claim_defer, wake=self.held.freed,
                                                   tokens_per_s=self.tokens_per_s(), due_by_ms=due_by_ms,
-                                                  **({"leave": self._leaves} if self.elastic else {}))
+                                                  **({"leave": self._leaves} if self.gathers_long else {}))
                 backoff = 0.1
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
@@ -427,7 +430,7 @@ class WorkerRuntime:
                 await self._ensure_groups()
                 continue
             if claimed is None:
-                if due_by_ms is not None or (self.elastic and self.queues.left_heads):  # type: ignore[union-attr]
+                if due_by_ms is not None or (self.gathers_long and self.queues.left_heads):  # type: ignore[union-attr]
                     # Paced out, or heads left to peers (`_leaves`), and none due to start yet: look again soon.
                     await _wait_any(room, self.stopping, timeout=RECHECK_S)
                     continue
@@ -455,6 +458,8 @@ class WorkerRuntime:
 
     def _computes_long(self) -> bool:
         """Do long prompts (the prefill stage's) gather on this engine (scheduler/claiming.py `computes_long`)?"""
+        if not self.gathers_long:
+            return False
         now = time.monotonic()
         if any(h.stage == "prefill" for h in self.held.computing_prompts()):
             self.last_long_s = now
@@ -631,7 +636,7 @@ class WorkerRuntime:
         self.info.running, self.info.waiting, self.info.kv_usage = len(self.held), s.waiting, s.kv_usage
         self.info.running_tokens = self.rules.running_tokens(self.held)
         self.info.left_tokens = self._left_tokens(self.tokens_per_s()) if self.held.computing_prompts() else 0
-        self.info.computes_long = int(self.elastic and self._computes_long())
+        self.info.computes_long = int(self._computes_long())
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0

@@ -176,7 +176,7 @@ class WorkerConfig:
     # elastic: for how long after its last long prompt an engine stays the one long prompts gather on and
     # short prompts keep off (scheduler/claiming.py `leaves_until_due`; 15 = what the mixed benchmark ran
     # with); 0 = off, the default: it leaves a head to a peer without asking whether that peer can start it
-    # in time, and simulated at 128 GPUs (the DistServe check) that cost a third of the goodput.
+    # in time, and simulated at 128 GPUs (the DistServe check) that cost 38% of the goodput.
     long_prompt_memory_s: float = 0.0
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction

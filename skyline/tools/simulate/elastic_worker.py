@@ -69,9 +69,12 @@ class ElasticWorker(DecodeWorker):
 
     def leave_for(self, q: StageQueues) -> Skip | None:
         """The heads of `q` it leaves to its peers until they must start (`claiming.leaves_until_due`; live:
-        `WorkerRuntime._leave`): short prompts while its engine computes a long one and a peer computes none;
-        long prompts while they gather on a peer's and not here. None: it leaves none."""
+        `WorkerRuntime._leaves`): short prompts while long prompts gather on its engine and a peer's they do
+        not; long prompts while they gather on a peer's and not here. None: it leaves none (and always with
+        `[worker] long_prompt_memory_s` off)."""
         sim = self.sim
+        if sim.worker_cfg.long_prompt_memory_s <= 0:
+            return None
         long_here = self.computes_long()
         with_long = not long_here and sim.freest.has_peer_with_long(self.name, "prefill")
         without_long = long_here and sim.freest.has_peer_without_long(self.name, "decode")
@@ -85,6 +88,8 @@ class ElasticWorker(DecodeWorker):
     def computes_long(self) -> bool:
         """Do long prompts (the prefill stage's) gather on its engine (`claiming.computes_long`; live:
         `WorkerRuntime._computes_long`)?"""
+        if self.sim.worker_cfg.long_prompt_memory_s <= 0:
+            return False
         now = self.loop.now
         if any(h.queue is self.sim.prefill_q for h in self.local):
             self.last_long_s = now

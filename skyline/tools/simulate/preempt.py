@@ -78,7 +78,8 @@ def claim_for(worker: PrefillWorker | DecodeWorker, q: StageQueues, held: list) 
     rate = measured_rate(worker)  # heads are compared by latest start at it (scheduler.edf.start_by_ms)
     skip = worker.leave_for(q)  # heads an elastic worker leaves to its peers until due (the general path)
     if gate.shield is None:
-        if q.placed_size or skip is not None:  # work placed for workers' prefix caches waits: the lane rule decides
+        # Work placed for workers' prefix caches waits (the lane rule decides), or heads are left to peers.
+        if q.placed_size or skip is not None:
             return q.claim_as(worker.name, int(worker.sim.loop.now * 1000), None, rate, skip)
         return q.claim(None, rate)  # (the hot path: no shield up)
     while True:
