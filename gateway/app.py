@@ -51,13 +51,33 @@ from skyline.gateway.ratelimit import KeyRateLimiter, TokenBudgets
 from skyline.gateway.relay import Relay
 from skyline.gateway.responses_api import ResponsesApi
 from skyline.gateway.tenants import Tenant, Tenants, api_key_of, check_model
+from skyline.gateway import unserved
 from skyline.gateway.vllm_serving_internals import (
-    allow_vllm_handlers, is_error_response, request_model, validation_response,
+    allow_vllm_handlers, anthropic_error_body, is_error_response, request_model, validation_response,
 )
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
 
 log = logging.getLogger("skyline.gateway")
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def skyline_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("skyline-serve")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+# vllm serve's /invocations takes a LoRA adapter's name from this header (SageMaker's), in place of the body's model.
+SAGEMAKER_ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
 
 DONE = "data: [DONE]\n\n"
 
@@ -145,14 +165,57 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     # The Responses API's store in Redis around vLLM's own Responses serving (gateway/responses_api.py).
     responses_api = ResponsesApi(cfg, tenants, rate_limiter, lambda: dispatcher.redis)
 
+    async def serve_chat(request: Request, body: dict[str, Any] | None = None) -> Response:
+        return await generation.serve(request, "chat", request_model("chat"), lambda f: f.chat.create_chat_completion,
+                                      body)
+
+    async def serve_completion(request: Request, body: dict[str, Any] | None = None) -> Response:
+        return await generation.serve(request, "completion", request_model("completion"),
+                                      lambda f: f.completion.create_completion, body)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generation.serve(request, "chat", request_model("chat"), lambda f: f.chat.create_chat_completion)
+        return await serve_chat(request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(request: Request) -> Response:
+        # vLLM's batched chat (several conversations, one choice each): one fleet request per conversation.
+        return await generation.serve(request, "chat", request_model("chat_batch"),
+                                      lambda f: f.chat_batch.create_batch_chat_completion)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        # vllm serve's SageMaker route: the body is served as the first request model it validates
+        # as, in vLLM's order (chat, then completion); the adapter header names the body's model.
+        body = await generation.read(request)
+        if adapter := request.headers.get(SAGEMAKER_ADAPTER_HEADER):
+            body["model"] = adapter
+        for kind in ("chat", "completion"):
+            if _claims(request_model(kind), body):
+                return await (serve_chat if kind == "chat" else serve_completion)(request, body)
+        raise ApiError(400, "Cannot find suitable handler for request. Expected one of: "
+                            "['ChatCompletionRequest', 'CompletionRequest']", type="BadRequestError", code=400)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        # vllm serve's Anthropic Messages API: vLLM's own conversion to a chat request and back; errors in
+        # that API's shape, as vllm serve answers them.
+        try:
+            return await generation.serve(request, "messages", request_model("messages"),
+                                          lambda f: f.messages.create_messages)
+        except ApiError as exc:
+            return _anthropic_error(exc)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> Response:
+        try:
+            return await generation.plain(request, request_model("count_tokens"), lambda f: f.messages.count_tokens)
+        except ApiError as exc:
+            return _anthropic_error(exc)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generation.serve(request, "completion", request_model("completion"),
-                                      lambda f: f.completion.create_completion)
+        return await serve_completion(request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -183,6 +246,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         return JSONResponse(listing.model_dump())
 
     @app.get("/health")
+    @app.get("/ping")  # vllm serve's SageMaker health route
+    @app.post("/ping")
     async def health() -> JSONResponse:
         r, fleet, relay = dispatcher.redis, registry.fleet, dispatcher.relay
         try:
@@ -195,6 +260,19 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         body = {"status": "ok" if relay.connected else "degraded", "workers": dict(fleet.roles), "models": models,
                 "relay_connected": relay.connected, "in_flight": relay.in_flight}
         return JSONResponse(body, status_code=200 if relay.connected else 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        # vllm serve's answer (the vLLM its serving code is), and the fleet's layer on it.
+        return JSONResponse({"version": vllm_version(), "skyline": skyline_version()})
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        # vllm serve's in-flight request count: here, the requests this gateway relays.
+        relay = dispatcher.relay
+        return JSONResponse({"server_load": relay.in_flight if relay is not None else 0})
+
+    unserved.add_routes(app)  # vllm serve's other routes: 501 and why (gateway/unserved.py)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -229,6 +307,14 @@ class _GenerationRoutes:
         self.rate_limiter = rate_limiter
         self.budgets = budgets
         self.metrics = metrics
+
+    async def read(self, request: Request) -> dict[str, Any]:
+        """A generation request's body, read once by a route that looks at it before serving it."""
+        try:
+            return await self._body(request)
+        except ApiError as exc:
+            self.metrics.count("", "", exc.status)
+            raise
 
     async def _body(self, request: Request, generates: bool = True) -> dict[str, Any]:
         # Tenant and operator keys alike; the tenant is remembered for the timeline's owner and its limits.
@@ -268,13 +354,16 @@ class _GenerationRoutes:
         except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
             # (a chat template rendering /tokenize's messages can fail as it does for a chat request)
             raise from_vllm(exc) from None
-        return _plain_response(result)
+        return _plain_response(result, anthropic=model is request_model("count_tokens"))
 
     async def serve(self, request: Request, kind: str, model: Any,
-                    pick: Callable[[Frontend], Callable[..., Awaitable[Any]]]) -> Response:
+                    pick: Callable[[Frontend], Callable[..., Awaitable[Any]]],
+                    body: dict[str, Any] | None = None) -> Response:
+        """`body`: already read (`read`), by a route that chose the kind from it."""
         t_arrival, arrival_ms = time.perf_counter(), now_ms()
         try:
-            body = await self._body(request)
+            if body is None:
+                body = await self._body(request)
             spec = pop_slo(body)
             handler = pick(await self._front(body, request.state.tenant))
         except ApiError as exc:
@@ -288,10 +377,6 @@ class _GenerationRoutes:
         except Exception as exc:  # noqa: BLE001 - vLLM's model validators raise their own errors directly
             self.metrics.count("", "", 400)
             raise _refused_body(exc) from None
-        if getattr(req, "use_beam_search", False):
-            self.metrics.count("", "", 400)
-            raise ApiError(400, "`use_beam_search` is not supported by Skyline: beam search would run one fleet "
-                                "request per step; use n or sampling instead", param="use_beam_search")
         stream = bool(getattr(req, "stream", False))
         options = getattr(req, "stream_options", None)
         scope = RequestScope(request, kind, spec, arrival_ms, t_arrival, stream,
@@ -333,8 +418,9 @@ class _GenerationRoutes:
                 return Response(status_code=CLIENT_CLOSED)
             if not scope.counted:
                 self.metrics.count("", "", result.error.code)
-            return JSONResponse(result.model_dump(), status_code=result.error.code)
-        body = result.model_dump()
+            return _error_json(result, anthropic=scope.kind == "messages")
+        # vllm serve leaves a Messages API answer's unset fields out
+        body = result.model_dump(exclude_none=scope.kind == "messages")
         ext = _skyline(scope)
         if ext is not None:
             body["skyline"] = ext
@@ -379,7 +465,7 @@ async def _sse(scope: RequestScope, first: str | None, chunks: Any) -> AsyncIter
     # fleet request only after its first events (`FleetClient.generate` reads the scope).
     SCOPE.set(scope)
     held: str | None = None
-    hold = scope.kind != "responses"
+    hold = scope.kind not in ("responses", "messages")  # event streams without [DONE]
     status = CLIENT_CLOSED
     try:
         pending = scope.opening + ([first] if first is not None else [])
@@ -441,11 +527,27 @@ def _skyline(scope: RequestScope) -> dict[str, Any] | list[dict[str, Any]] | Non
 
 
 def _prompts(body: dict[str, Any]) -> int:
-    """How many prompts a completion request carries (a list of strings or of token-id lists is a batch)."""
+    """How many prompts a request carries: a completion's list of strings or of token-id lists, or the
+    batched chat's list of conversations."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return len(prompt)
+    conversations = body.get("messages")
+    if isinstance(conversations, list) and conversations and all(isinstance(c, list) for c in conversations):
+        return len(conversations)
     return 1
+
+
+def _claims(model: type, body: dict[str, Any]) -> bool:
+    """Whether vLLM's /invocations hands `body` to `model`'s route: it validates, or a validator of the
+    model raised vLLM's own error, which that route answers (only pydantic's failure tries the next)."""
+    try:
+        _validate(model, body)
+    except ValidationError:
+        return False
+    except Exception:  # noqa: BLE001 - answered by the route, as vLLM's exception handler answers it
+        return True
+    return True
 
 
 def _headers(scope: RequestScope) -> dict[str, str]:
@@ -486,7 +588,18 @@ async def _validation_response(request: Request, exc: ValidationError) -> Respon
     return await validation_response(request, RequestValidationError(errors))
 
 
-def _plain_response(result: Any) -> Response:
+def _plain_response(result: Any, anthropic: bool = False) -> Response:
     if is_error_response(result):
-        return JSONResponse(result.model_dump(), status_code=result.error.code)
-    return JSONResponse(result.model_dump())
+        return _error_json(result, anthropic)
+    return JSONResponse(result.model_dump(exclude_none=anthropic))
+
+
+def _error_json(result: Any, anthropic: bool) -> JSONResponse:
+    """vLLM's error answer, in the Messages API's shape on its routes (as vllm serve translates it)."""
+    info = result.error
+    body = anthropic_error_body(info.type, info.message) if anthropic else result.model_dump()
+    return JSONResponse(body, status_code=info.code)
+
+
+def _anthropic_error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(exc.type, exc.message), status_code=exc.status, headers=exc.headers)

@@ -152,7 +152,9 @@ class FleetClient:
             if spent is not None:
                 session.on_close.append(spent.settle)  # its output tokens, when it ends
             assembler = OutputAssembler(request_id, prompt.get("prompt"), ids, sampling_params.n,
-                                        sampling_params.output_kind, sampling_params.logprobs is not None)
+                                        sampling_params.output_kind,
+                                        # logprobs, or only logprob_token_ids: vLLM's count of either
+                                        sampling_params.num_logprobs is not None)
             while not assembler.finished:
                 # Watch for the client leaving while no response has started (a stream that has started
                 # is Starlette's to watch: it cancels the response when the client goes).

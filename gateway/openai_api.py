@@ -22,6 +22,7 @@ from typing import Any
 
 from skyline.core.config import SkylineConfig
 from skyline.gateway import vllm_serving_internals
+from skyline.gateway.errors import ApiError
 
 log = logging.getLogger("skyline.gateway")
 
@@ -32,6 +33,8 @@ class Frontend:
 
     models: Any  # OpenAIServingModels
     chat: Any  # OpenAIServingChat
+    chat_batch: Any  # OpenAIServingChatBatch (POST /v1/chat/completions/batch)
+    messages: Any  # AnthropicServingMessages (POST /v1/messages)
     completion: Any  # OpenAIServingCompletion
     responses: Any  # OpenAIServingResponses
     tokenization: Any  # ServingTokenization
@@ -63,4 +66,23 @@ def build_frontend(cfg: SkylineConfig, client_cls: type, dispatcher: Any, model_
         enable_auto_tools=g.enable_auto_tool_choice, tool_parser=tool_parser, reasoning_parser=reasoning)
     log.info("OpenAI surface: vLLM's serving layer (tool parser %s, auto tool choice %s, reasoning parser %s)",
              tool_parser or "none", g.enable_auto_tool_choice, reasoning or "none")
-    return Frontend(objs.models, objs.chat, objs.completion, objs.responses, objs.tokenization)
+    messages = objs.messages
+    if messages is None:
+        log.warning("the Messages API (/v1/messages) is not served for %s: vLLM could not build it over its chat "
+                    "template (%s)", served_model, objs.messages_error)
+        messages = MessagesUnavailable(served_model, objs.messages_error)
+    return Frontend(objs.models, objs.chat, objs.chat_batch, messages, objs.completion, objs.responses,
+                    objs.tokenization)
+
+
+class MessagesUnavailable:
+    """In place of vLLM's Messages serving where it could not be built: each request is told why."""
+
+    def __init__(self, model: str, why: str):
+        self.message = (f"the Messages API is not served for model {model!r}: vLLM could not build it over the "
+                        f"model's chat template ({why})")
+
+    async def create_messages(self, request: Any, raw_request: Any) -> Any:
+        raise ApiError(501, self.message, code="not_served")
+
+    count_tokens = create_messages

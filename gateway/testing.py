@@ -35,7 +35,7 @@ class GatewayThread:
             model_path = str(sim_model_dir())
         port = port or _free_port()
         self.cfg = replace(cfg, gateway=replace(cfg.gateway, host="127.0.0.1", port=port))
-        app = create_app(self.cfg, model_path, served_model, max_model_len)
+        self.app = app = create_app(self.cfg, model_path, served_model, max_model_len)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",
                                 access_log=False, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)

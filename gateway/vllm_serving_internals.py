@@ -53,6 +53,23 @@ SERVING_CHAT = Internal(
             "chat_template_content_format", "reasoning_parser", "enable_auto_tools", "tool_parser"))
 CREATE_CHAT = Internal(SERVING_CHAT.module, "OpenAIServingChat.create_chat_completion", _SERVE,
                        params=("request", "raw_request"))
+# vllm serve's POST /v1/chat/completions/batch: a subclass of its chat serving, built with the same arguments.
+SERVING_CHAT_BATCH = Internal("vllm.entrypoints.openai.chat_completion.batch_serving", "OpenAIServingChatBatch",
+                              _SERVE, params=SERVING_CHAT.params)
+CREATE_CHAT_BATCH = Internal(SERVING_CHAT_BATCH.module, "OpenAIServingChatBatch.create_batch_chat_completion",
+                             _SERVE, params=("request", "raw_request"))
+# vllm serve's Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens): a subclass of its chat
+# serving that converts the request to a chat request and the chat answer back.
+SERVING_MESSAGES = Internal("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages", _SERVE,
+                            params=SERVING_CHAT.params)
+CREATE_MESSAGES = Internal(SERVING_MESSAGES.module, "AnthropicServingMessages.create_messages", _SERVE,
+                           params=("request", "raw_request"))
+COUNT_MESSAGE_TOKENS = Internal(SERVING_MESSAGES.module, "AnthropicServingMessages.count_tokens", _SERVE,
+                                params=("request", "raw_request"))
+ANTHROPIC_ERROR = Internal("vllm.entrypoints.anthropic.protocol", "AnthropicErrorResponse", _ERRORS,
+                           fields=("type", "error"))
+ANTHROPIC_ERROR_INFO = Internal("vllm.entrypoints.anthropic.protocol", "AnthropicError", _ERRORS,
+                                fields=("type", "message"))
 SERVING_COMPLETION = Internal(
     "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", _SERVE,
     params=("engine_client", "models", "online_renderer", "request_logger"))
@@ -101,7 +118,13 @@ RESPONSES_RESPONSE = Internal("vllm.entrypoints.openai.responses.protocol", "Res
                               fields=("id", "status", "output"))
 REQUEST_MODELS = {
     "chat": Internal("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest", _PROTOCOL),
+    "chat_batch": Internal("vllm.entrypoints.openai.chat_completion.protocol", "BatchChatCompletionRequest",
+                           _PROTOCOL, fields=("messages",)),
     "completion": Internal("vllm.entrypoints.openai.completion.protocol", "CompletionRequest", _PROTOCOL),
+    "messages": Internal("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest", _PROTOCOL,
+                         fields=("model", "messages", "max_tokens", "stream")),
+    "count_tokens": Internal("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest", _PROTOCOL,
+                             fields=("model", "messages")),
     "responses": Internal("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest", _PROTOCOL,
                           fields=("previous_response_id", "store", "background")),
     "tokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest", _PROTOCOL),
@@ -134,7 +157,8 @@ API_SERVER = Internal("vllm.entrypoints.openai.api_server", "", "as `vllm serve`
 CONTRACT: tuple[Internal, ...] = (
     VLLM_CONFIG, MODEL_CONFIG_OF_ARGS, STRUCTURED_OUTPUTS_OF_ARGS, ENVS, LOAD_CHAT_TEMPLATE, RENDERER_FROM_CONFIG,
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
-    SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_CHAT_BATCH, CREATE_CHAT_BATCH, SERVING_MESSAGES,
+    CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
     RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
     RESPONSES_CANCEL, RESPONSES_RESPONSE,
@@ -199,7 +223,8 @@ def check_inputs(input_processor: Any, request_id: str, prompt: Any, params: Any
 def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: str, model_path: str,
                     chat_template: str | None, response_role: str, enable_auto_tools: bool, tool_parser: str | None,
                     reasoning_parser: str) -> SimpleNamespace:
-    """vLLM's serving objects (`models`, `chat`, `completion`, `responses`, `tokenization`) over
+    """vLLM's serving objects (`models`, `chat`, `chat_batch`, `messages` (None, and `messages_error` why,
+    where vLLM could not build it), `completion`, `responses`, `tokenization`) over
     `client`, configured as `vllm serve` configures them from the same options."""
     models = SERVING_MODELS.resolve()(engine_client=client, base_model_paths=[
         BASE_MODEL_PATH.resolve()(name=served_model, model_path=model_path)])
@@ -209,11 +234,16 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
         reasoning_parser=reasoning_parser or None,
     )
     online.warmup()
-    chat = SERVING_CHAT.resolve()(
-        client, models, response_role, online_renderer=online, request_logger=None, chat_template=chat_template,
-        chat_template_content_format="auto", reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools,
-        tool_parser=tool_parser,
-    )
+    chat_kwargs = dict(online_renderer=online, request_logger=None, chat_template=chat_template,
+                       chat_template_content_format="auto", reasoning_parser=reasoning_parser,
+                       enable_auto_tools=enable_auto_tools, tool_parser=tool_parser)
+    chat = SERVING_CHAT.resolve()(client, models, response_role, **chat_kwargs)
+    chat_batch = SERVING_CHAT_BATCH.resolve()(client, models, response_role, **chat_kwargs)
+    messages_cls, messages_error = SERVING_MESSAGES.resolve(), ""
+    try:  # vLLM renders a probe conversation with the chat template here (Messages API system prompts)
+        messages = messages_cls(client, models, response_role, **chat_kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template that crashes on it leaves the other routes served
+        messages, messages_error = None, f"{type(exc).__name__}: {exc}"
     completion = SERVING_COMPLETION.resolve()(client, models, online_renderer=online, request_logger=None)
     responses = SERVING_RESPONSES.resolve()(
         client, models, online, request_logger=None, chat_template=chat_template, chat_template_content_format="auto",
@@ -221,7 +251,8 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
     )
     tokenization = SERVING_TOKENIZATION.resolve()(models, online, request_logger=None, chat_template=chat_template,
                                                   chat_template_content_format="auto")
-    return SimpleNamespace(models=models, chat=chat, completion=completion, responses=responses,
+    return SimpleNamespace(models=models, chat=chat, chat_batch=chat_batch, messages=messages,
+                           messages_error=messages_error, completion=completion, responses=responses,
                            tokenization=tokenization)
 
 
@@ -345,6 +376,11 @@ def _harmony_messages(messages: list[Any]) -> list[Any]:
 def is_error_response(result: Any) -> bool:
     """Whether vLLM's serving code answered with its error object (a `.error` with code and message)."""
     return isinstance(result, ERROR_RESPONSE.resolve())
+
+
+def anthropic_error_body(type_: str, message: str) -> dict[str, Any]:
+    """An error as vllm serve's Messages API answers it (its `type` is the OpenAI-side error's type)."""
+    return ANTHROPIC_ERROR.resolve()(error=ANTHROPIC_ERROR_INFO.resolve()(type=type_, message=message)).model_dump()
 
 
 def error_info(exc: Exception) -> Any:

@@ -29,7 +29,7 @@ from tests.inprocess import start_fleet, stop_fleet, wait_registered
 
 MODEL = "sim-model"
 VOCAB = 259  # the sim model's byte tokenizer: ids 0-255 bytes, 256 EOS, 257/258 think markers
-PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"]
 API_KEY = "fuzz-key"  # the served gateway checks keys, so the fuzzed `authorization` header is checked too
 FAST = SimTiming(prefill_base_s=0.001, prefill_per_token_s=0.0, decode_base_s=0.001, decode_per_seq_s=0.0)
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -137,8 +137,11 @@ def assert_openai_error(resp: httpx.Response) -> None:
 
 
 def assert_openai_error_shape(resp: httpx.Response) -> None:
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    """OpenAI's error shape, or the Messages API's on its route (`{"type": "error", "error": {type, message}}`)."""
+    body = resp.json()
+    err = body["error"]
+    anthropic = body.get("type") == "error" and set(err) == {"type", "message"}
+    assert (anthropic or set(err) == {"message", "type", "param", "code"}) and err["message"]
 
 
 def assert_served_or_refused(resp: httpx.Response) -> None:
@@ -152,7 +155,8 @@ def assert_served_or_refused(resp: httpx.Response) -> None:
                 resp.text[-500:]
         else:
             body = resp.json()
-            assert body.get("choices") or body.get("status") in ("completed", "incomplete"), resp.text  # responses
+            assert body.get("choices") or body.get("status") in ("completed", "incomplete") \
+                or body.get("type") == "message", resp.text  # chat/completion, responses, messages
         return
     assert 400 <= resp.status_code < 500, (resp.status_code, resp.text)
     assert_openai_error_shape(resp)
@@ -160,6 +164,9 @@ def assert_served_or_refused(resp: httpx.Response) -> None:
 
 def small_request(path: str, stream: bool, **fields) -> dict:
     if path == "/v1/chat/completions":
+        return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream,
+                **fields}
+    if path == "/v1/messages":
         return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream,
                 **fields}
     if path == "/v1/responses":
@@ -183,6 +190,17 @@ def test_fuzzed_bodies_get_openai_errors_never_500(gateway, body, path):
     content = json.dumps(body, allow_nan=True).encode()
     resp = httpx.post(gw.url + path, content=content, headers={"content-type": "application/json"}, timeout=10)
     assert_openai_error(resp)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, path=st.sampled_from(["/v1/chat/completions/batch", "/invocations", "/v1/messages"]))
+def test_fuzzed_bodies_on_the_other_generation_routes_never_500(gateway, body, path):
+    gw, _cfg = gateway
+    content = json.dumps(body, allow_nan=True).encode()
+    resp = httpx.post(gw.url + path, content=content, headers={"content-type": "application/json"}, timeout=10)
+    assert resp.status_code in (400, 404, 413, 422, 503), (resp.status_code, resp.text)
+    err = resp.json()["error"]  # OpenAI's shape, or the Messages API's ({"type": "error", "error": {...}})
+    assert err["message"] and (set(err) == {"message", "type", "param", "code"} or set(err) == {"type", "message"})
 
 
 @FUZZ
@@ -365,3 +383,12 @@ def test_an_empty_conversation_is_refused_as_vllm_refuses_it(failing_template, p
     resp = httpx.post(failing_template.url + path, json={"model": MODEL, **body}, timeout=10)
     assert resp.status_code == 400, resp.text
     assert "empty conversation" in resp.json()["error"]["message"], resp.text
+
+
+def test_a_template_vllms_messages_api_cannot_probe_leaves_that_api_refused_with_why(failing_template):
+    # vLLM's Messages serving renders a probe conversation when it is built; this template crashes on it
+    # (vllm serve would not start): the gateway serves its other routes and says why /v1/messages is not.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    resp = httpx.post(failing_template.url + "/v1/messages", json=body, timeout=10)
+    assert resp.status_code == 501 and "chat template" in resp.json()["error"]["message"], resp.text
+    assert resp.json()["type"] == "error"  # the Messages API's error shape

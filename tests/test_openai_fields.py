@@ -39,7 +39,7 @@ SERVING = {
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
     "chat_template", "chat_template_kwargs", "include_reasoning", "reasoning_effort", "return_token_ids",
     "return_prompt_text", "return_tokens_as_token_ids", "return_token_offsets", "truncation_side", "suffix",
-    "length_penalty",  # beam search only, refused below with it
+    "length_penalty", "use_beam_search",  # vLLM's serving code runs beam search, one fleet request per beam and step
 }
 # Carried with the prompt to the generating engine (its TokensPrompt): test_gateway_flow.py checks that it
 # reaches the queued request, test_vllm_parity.py that the answer is vLLM's.
@@ -47,7 +47,7 @@ PROMPT = {"cache_salt"}
 # Refused by Skyline (400 naming the field): a value that would otherwise be accepted.
 REFUSED = {
     "priority": 1, "kv_transfer_params": {"do_remote_prefill": True}, "session_id": "s",
-    "thinking_token_budget": 8, "use_beam_search": True, "ec_transfer_params": {"x": 1},
+    "thinking_token_budget": 8, "ec_transfer_params": {"x": 1},
     "routed_experts_prompt_start": 1,
 }
 # Multimodal inputs and their options: refused (Skyline serves text; the sim's and the default model's

@@ -206,12 +206,31 @@ LOGPROB_CASES = [
     ("completion", dict(prompt=PROMPT, **GREEDY, logprobs=3)),
     ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=4, echo=True)),
     ("completion", dict(prompt=PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=2)),
+    # Logprobs of named tokens at each position, beside the sampled one (vLLM's logprob_token_ids).
+    ("completion", dict(prompt=PROMPT, **GREEDY, logprobs=1, extra_body={"logprob_token_ids": [260, 314, 28]})),
+    ("chat", dict(messages=CHAT, **GREEDY, logprobs=True, extra_body={"logprob_token_ids": [504, 30]})),
 ]
 
 
 @pytest.mark.parametrize("kind,kw", LOGPROB_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(LOGPROB_CASES)])
 def test_logprobs_in_vllms_shapes(clients, kind, kw):
     _same(clients, kind, **kw)
+
+
+def test_named_token_logprobs_are_streamed(clients):
+    """A stream asking for logprob_token_ids carries them with each chunk, as vllm serve's does."""
+    ref, sky = clients
+    kw = dict(prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1, extra_body={"logprob_token_ids": [260, 314]})
+
+    def collect(client, route):
+        return [(tok, v, sorted((top or {}).items())) for chunk in _call(client, "completion", route, stream=True, **kw)
+                for c in chunk.choices if c.logprobs is not None
+                for tok, v, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)]
+
+    want = collect(ref, None)
+    assert len(want) == 6
+    for route in ROUTES:
+        assert _close(collect(sky, route), want), route
 
 
 def test_prompt_logprobs_also_when_the_prompt_was_prefilled_on_another_engine(clients):
@@ -326,6 +345,82 @@ def test_tokenize_and_detokenize(fleet, reference, path, body):
     want = httpx.post(reference + path, json=body, timeout=30)
     got = httpx.post(fleet.url + path, json=body, timeout=30)
     assert got.status_code == want.status_code == 200 and got.json() == want.json()
+
+
+def _post(url: str, path: str, body: dict, route: str | None = None) -> httpx.Response:
+    headers = {"x-skyline-route": route, "x-slo-tier": "batch"} if route else None
+    return httpx.post(url + path, json=body, headers=headers, timeout=120)
+
+
+def _texts(resp: httpx.Response) -> list:
+    return [(c["index"], (c.get("message") or {}).get("content", c.get("text")), c["finish_reason"])
+            for c in resp.json()["choices"]]
+
+
+def test_batched_chat_answers_each_conversation_as_vllm_serve(fleet, reference):
+    """POST /v1/chat/completions/batch: one choice per conversation, in order, with vLLM's usage."""
+    body = {"model": MODEL, "messages": [CHAT, [{"role": "user", "content": "Name a primary color."}]],
+            "temperature": 0, "max_tokens": 12}
+    want = _post(reference, "/v1/chat/completions/batch", body)
+    assert want.status_code == 200 and len(want.json()["choices"]) == 2
+    for route in ROUTES:
+        got = _post(fleet.url, "/v1/chat/completions/batch", body, route)
+        assert got.status_code == 200, (route, got.text)
+        assert _texts(got) == _texts(want) and got.json()["usage"] == want.json()["usage"], route
+    # Refused as vLLM refuses it (one choice per conversation).
+    bad = {**body, "n": 2}
+    assert _post(fleet.url, "/v1/chat/completions/batch", bad).status_code == \
+        _post(reference, "/v1/chat/completions/batch", bad).status_code == 400
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8},
+    {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 8},
+    {"model": MODEL, "max_tokens": 8},  # no prompt: vLLM's completion route refuses it
+], ids=["chat", "completion", "no-prompt"])
+def test_invocations_serves_the_body_as_vllm_serve_does(fleet, reference, body):
+    want = _post(reference, "/invocations", body)
+    got = _post(fleet.url, "/invocations", body, "disagg")
+    assert got.status_code == want.status_code, got.text
+    if want.status_code == 200:
+        assert got.json()["object"] == want.json()["object"] and _texts(got) == _texts(want)
+    else:
+        assert got.json()["error"]["message"] == want.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_beam_search_finds_vllms_beams(clients, kind):
+    """vLLM's serving code runs beam search over the fleet (a request per beam and step), in both routes."""
+    prompt = dict(messages=CHAT) if kind == "chat" else dict(prompt=PROMPT)
+    want = _same(clients, kind, **prompt, n=2, max_tokens=5, temperature=0, extra_body={"use_beam_search": True})
+    assert len(want.choices) == 2
+
+
+def test_anthropic_messages_api_answers_as_vllm_serve(fleet, reference):
+    """Anthropic's own client against vllm serve's Messages API: the same text, stop reason and usage,
+    streamed and not, in both routes, and the same token count."""
+    import anthropic
+
+    kw = dict(model=MODEL, max_tokens=16, system="Answer briefly.", extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "What is the capital of France?"}])
+
+    def client(url, route=None):
+        headers = {"x-skyline-route": route, "x-slo-tier": "batch"} if route else None
+        return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120, default_headers=headers)
+
+    def answer(c):
+        m = c.messages.create(**kw)
+        with c.messages.stream(**kw) as s:
+            streamed = "".join(s.text_stream)
+        return [b.text for b in m.content], m.stop_reason, (m.usage.input_tokens, m.usage.output_tokens), streamed
+
+    ref = client(reference)
+    want = answer(ref)
+    assert want[0] and want[0][0] == want[3]
+    for route in ROUTES:
+        assert answer(client(fleet.url, route)) == want, route
+    count = dict(model=MODEL, messages=kw["messages"], system=kw["system"])
+    assert client(fleet.url).messages.count_tokens(**count).input_tokens == ref.messages.count_tokens(**count).input_tokens
 
 
 def test_responses_api_stateless(clients):

@@ -365,7 +365,7 @@ class SimEngine(Engine):
 
 
 # What the sim cannot produce: it has no model, so no probabilities and no grammar. Refused, not faked.
-_NOT_COMPUTED = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs",
+_NOT_COMPUTED = {"logprobs": "logprobs", "logprob_token_ids": "logprobs", "prompt_logprobs": "prompt_logprobs",
                  "structured_outputs": "structured outputs (response_format, guided decoding)"}
 
 
