@@ -544,3 +544,124 @@ def test_langchain_structured_output_as_vllm_serve(fleet, reference):
     want = _langchain_same(fleet, reference, lambda llm: llm.with_structured_output(schema, method="json_schema")
                            .invoke("Describe a person."), 40)
     assert isinstance(want, dict)
+
+
+# ---- 9. the clients people use: the OpenAI Agents SDK, LiteLLM, lm-evaluation-harness ------------------
+
+
+def _route_headers(route: str | None) -> dict[str, str] | None:
+    return {"x-skyline-route": route, "x-slo-tier": "batch"} if route else None
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_sdk_runs_a_function_tool_as_against_vllm_serve(fleet, reference, api):
+    """An Agents SDK agent with a function tool, over chat completions and over the Responses API (the
+    SDK's default model, whose `store` Skyline keeps in Redis): the same tool call and the same result."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
+
+    set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return f"18 C and sunny in {city}"
+
+    def run(url: str, route: str | None):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120,
+                                    default_headers=_route_headers(route))
+        model_cls = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                      model=model_cls(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required"),
+                      tool_use_behavior="stop_on_first_tool")
+        calls.clear()
+        result = Runner.run_sync(agent, "What is the weather in Paris?")
+        return list(calls), result.final_output
+
+    want = run(reference, None)
+    assert want[0], want  # the tool ran
+    for route in ROUTES:
+        assert run(fleet.url, route) == want, route
+
+
+def test_litellm_openai_compatible_provider_as_against_vllm_serve(fleet, reference, monkeypatch):
+    """LiteLLM's provider for vLLM servers: chat, streamed chat, a tool call and a JSON schema answer."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the network at import
+    import litellm
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+
+    def run(url: str, route: str | None):
+        kw = dict(model=f"hosted_vllm/{MODEL}", api_base=f"{url}/v1", api_key="unused", temperature=0,
+                  max_tokens=24, extra_headers=_route_headers(route), num_retries=0)
+        text = litellm.completion(messages=CHAT, **kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in litellm.completion(messages=CHAT, stream=True, **kw))
+        call = litellm.completion(messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                  tools=[WEATHER], tool_choice="required", **{**kw, "max_tokens": 64}
+                                  ).choices[0].message.tool_calls[0]
+        answer = litellm.completion(messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}, **kw)
+        return text, streamed, (call.function.name, json.loads(call.function.arguments)), \
+            json.loads(answer.choices[0].message.content)
+
+    want = run(reference, None)
+    assert want[0] and want[0] == want[1]
+    for route in ROUTES:
+        assert run(fleet.url, route) == want, route
+
+
+LM_EVAL_TASKS = """\
+task: skyline_capitals_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+doc_to_text: "Q: What is the capital of {{{{country}}}}?\\nA:"
+doc_to_target: "{target}"
+{extra}
+"""
+
+
+def test_lm_evaluation_harness_scores_as_against_vllm_serve(fleet, reference, tmp_path):
+    """lm-evaluation-harness's local-completions model (log-likelihoods through echo + logprobs, and
+    generation) on a task made here: the same per-sample log-likelihoods (within the tolerance engines
+    that batch differently allow), the same generations and scores."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from skyline.tools.model import resolve_model
+
+    rows = [("France", "Paris", ["Paris", "Lyon"]), ("Italy", "Rome", ["Milan", "Rome"]),
+            ("Japan", "Tokyo", ["Tokyo", "Osaka"]), ("Spain", "Madrid", ["Seville", "Madrid"])]
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"country": c, "capital": a, "choices": ch, "label": ch.index(a)}) + "\n"
+                            for c, a, ch in rows))
+    (tmp_path / "mc.yaml").write_text(LM_EVAL_TASKS.format(
+        kind="mc", data=data, output_type="multiple_choice", target="{{label}}",
+        extra='doc_to_choice: "{{choices}}"\nmetric_list:\n  - metric: acc'))
+    (tmp_path / "gen.yaml").write_text(LM_EVAL_TASKS.format(
+        kind="gen", data=data, output_type="generate_until", target=" {{capital}}",
+        extra="generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 8\n  do_sample: false\n"
+              "metric_list:\n  - metric: exact_match"))
+    tasks = TaskManager(include_path=str(tmp_path))
+
+    def run(url: str, route: str | None):
+        args = {"model": MODEL, "base_url": f"{url}/v1/completions", "num_concurrent": 1, "max_retries": 1,
+                "tokenizer_backend": "huggingface", "tokenizer": resolve_model("default")}
+        if route:
+            args["header"] = _route_headers(route)
+        out = lm_eval.simple_evaluate(model="local-completions", model_args=args, task_manager=tasks,
+                                      tasks=["skyline_capitals_mc", "skyline_capitals_gen"], log_samples=True)
+        mc = [[r[0][0] for r in s["resps"]] for s in out["samples"]["skyline_capitals_mc"]]
+        gen = [s["resps"][0][0] for s in out["samples"]["skyline_capitals_gen"]]
+        return out["results"]["skyline_capitals_mc"]["acc,none"], mc, gen
+
+    want = run(reference, None)
+    for route in ROUTES:
+        acc, mc, gen = run(fleet.url, route)
+        assert acc == want[0] and gen == want[2] and _close(mc, want[1]), (route, acc, mc, gen, want)
