@@ -553,6 +553,30 @@ def _route_headers(route: str | None) -> dict[str, str] | None:
     return {"x-skyline-route": route, "x-slo-tier": "batch"} if route else None
 
 
+def test_openai_sdk_parse_gives_vllm_serves_object(clients):
+    """The OpenAI SDK's `parse` (a pydantic model as the response format) over chat completions and the
+    Responses API: the same parsed object."""
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    def run(client, route):
+        headers = _route_headers(route)
+        chat = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Capital, temperature=0,
+                                             max_tokens=48, extra_headers=headers)
+        resp = client.responses.parse(model=MODEL, input=CHAT[0]["content"], text_format=Capital, temperature=0,
+                                      max_output_tokens=48, store=False, extra_headers=headers)
+        return chat.choices[0].message.parsed, resp.output_parsed
+
+    ref, sky = clients
+    want = run(ref, None)
+    assert all(isinstance(p, Capital) for p in want), want
+    for route in ROUTES:
+        assert run(sky, route) == want, route
+
+
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
 def test_openai_agents_sdk_runs_a_function_tool_as_against_vllm_serve(fleet, reference, api):
     """An Agents SDK agent with a function tool, over chat completions and over the Responses API (the
