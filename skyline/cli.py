@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim decode step time; > 0 streams one token per frame (per-message cost)")
     ov.add_argument("--no-baseline", action="store_true",
                     help="skip the baseline (vLLM's OpenAI server over an engine that answers at once)")
+    ov.add_argument("--tracing", action="store_true",
+                    help="also a second fleet exporting OpenTelemetry traces to an OTLP receiver: what tracing "
+                         "adds to TTFT")
     ch = bsub.add_parser("churn", help="reliability: requests flow while workers are killed and Redis restarts (sim)")
     ch.add_argument("--requests", type=int, default=300)
     ch.add_argument("--rate", type=float, default=5.0, help="requests/s, evenly spaced")

@@ -19,7 +19,7 @@ from skyline.tools.bench import overhead
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    return overhead.run(n_latency=12, concurrency=2, duration_s=1.0, max_tokens=8)
+    return overhead.run(n_latency=12, concurrency=2, duration_s=1.0, max_tokens=8, tracing=True)
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
@@ -31,6 +31,15 @@ def test_both_systems_answer_and_the_difference_is_reported(result, kind):
     parts = lat["skyline"]["gateway_p50_ms"]
     assert set(parts) == {"render_ms", "enqueue_ms", "fleet_first_token_ms"}
     assert all(v is not None and 0 < v < lat["skyline"]["ttft_p50_ms"] for v in parts.values())
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_the_traced_fleet_takes_its_turns_and_exports_its_spans(result, kind):
+    lat = result["added_latency"][kind]
+    assert lat[overhead.TRACED]["ok"] == 12
+    assert lat["tracing_added_ttft_p50_ms"] == pytest.approx(
+        lat[overhead.TRACED]["ttft_p50_ms"] - lat["skyline"]["ttft_p50_ms"], abs=0.002)
+    assert result["tracing"]["spans_received"] > 0 and "skyline-gateway" in result["tracing"]["services"]
 
 
 def test_throughput_phase_runs_on_the_fleet(result):

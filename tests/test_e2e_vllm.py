@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.fleet import Fleet
-from tests.otlp_receiver import OtlpReceiver
+from skyline.tools.otlp_receiver import OtlpReceiver
 from tests.procs import descendants, wait_gone, wait_until
 
 pytestmark = pytest.mark.vllm

@@ -2,7 +2,7 @@
 
 A sim fleet of processes (gateway, one prefill and one decode worker, every prompt computed on the
 prefill worker) started with `--otlp-traces-endpoint` pointing at a real OTLP receiver (OpenTelemetry's
-gRPC trace service, tests/otlp_receiver.py): one request, sent by the `openai` client with a W3C
+gRPC trace service, skyline/tools/otlp_receiver.py): one request, sent by the `openai` client with a W3C
 `traceparent`, makes one trace across the three processes, joined to the client's span. Then the
 span rules themselves, on OpenTelemetry's in-memory exporter: a worker's stay that fails, is re-queued
 or is handed on, an elastic worker's stay, and the bound on what a process remembers.
@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from tests.fleet import Fleet
-from tests.otlp_receiver import OtlpReceiver
+from skyline.tools.otlp_receiver import OtlpReceiver
 
 MODEL = "skyline-sim"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -19,6 +19,7 @@ single-host deployment would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 import os
@@ -36,6 +37,7 @@ from skyline.tools.bench.client import stream_completion
 from skyline.core.net import free_port
 from skyline.core.stats import percentile
 from skyline.tools.bench.simfleet import SimFleet
+from skyline.tools.otlp_receiver import OtlpReceiver
 
 SIM_TIMING = """
 [engine]
@@ -46,8 +48,18 @@ sim_decode_per_seq_s = 0.0
 """
 
 
-def _start_fleet(workdir: Path, decode_step_s: float) -> tuple[SimFleet, str]:
-    fleet = SimFleet(workdir, SIM_TIMING.format(decode_step_s=decode_step_s))
+TRACING = """
+[observability]
+otlp_traces_endpoint = "{endpoint}"
+"""
+
+
+def _start_fleet(workdir: Path, decode_step_s: float, traces_endpoint: str = "") -> tuple[SimFleet, str]:
+    config = SIM_TIMING.format(decode_step_s=decode_step_s)
+    if traces_endpoint:  # every process exports its spans there (gateway and both workers)
+        config += TRACING.format(endpoint=traces_endpoint)
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = SimFleet(workdir, config)
     fleet.start_redis()
     fleet.start_gateway()
     fleet.start_worker("prefill-0", "prefill")
@@ -124,6 +136,10 @@ async def _latency(urls: dict[str, str], n: int, rounds: int = 6) -> dict:
                    for name, v in ttfts.items()}
             if "vllm" in res and res["vllm"]["ok"] and res["skyline"]["ok"]:
                 res["added_ttft_p50_ms"] = round(res["skyline"]["ttft_p50_ms"] - res["vllm"]["ttft_p50_ms"], 3)
+            if TRACED in res and res[TRACED]["ok"] and res["skyline"]["ok"]:
+                # What exporting every request's spans adds: the same fleet, traced, in the same rounds.
+                res["tracing_added_ttft_p50_ms"] = round(
+                    res[TRACED]["ttft_p50_ms"] - res["skyline"]["ttft_p50_ms"], 3)
             res["skyline"]["gateway_p50_ms"] = {
                 k: _ms([b[k] for b in breakdown if b.get(k) is not None], 50)
                 for k in ("render_ms", "enqueue_ms", "fleet_first_token_ms")}
@@ -160,34 +176,50 @@ async def _throughput(url: str, concurrency: int, duration_s: float, max_tokens:
     }
 
 
+TRACED = "skyline-traced"
+
+
 def run(n_latency: int = 300, concurrency: int = 32, duration_s: float = 20.0, max_tokens: int = 256,
-        decode_step_ms: float = 0.0, baseline: bool = True) -> dict:
+        decode_step_ms: float = 0.0, baseline: bool = True, tracing: bool = False) -> dict:
     """`decode_step_ms` > 0 makes the sim engine emit one token per sequence per step, so
-    every frame carries one token: the fleet's per-message cost instead of its batching."""
-    with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp:
-        fleet, url = _start_fleet(Path(tmp), decode_step_ms / 1000.0)
+    every frame carries one token: the fleet's per-message cost instead of its batching.
+    `tracing`: a second fleet, the same but exporting OpenTelemetry spans of every request to a real
+    OTLP receiver, takes its turns in the added-latency rounds (`tracing_added_ttft_p50_ms`)."""
+    with tempfile.TemporaryDirectory(prefix="skyline-overhead-") as tmp, contextlib.ExitStack() as stack:
+        fleet, url = _start_fleet(Path(tmp) / "fleet", decode_step_ms / 1000.0)
+        stack.callback(fleet.stop)
+        urls = {"skyline": url}
+        receiver = traced = None
+        if tracing:
+            receiver = stack.enter_context(OtlpReceiver())
+            traced, urls[TRACED] = _start_fleet(Path(tmp) / "traced", decode_step_ms / 1000.0, receiver.endpoint)
+            stack.callback(traced.stop)
         base = None
-        try:
-            urls = {"skyline": url}
-            if baseline:
-                base, urls["vllm"] = _start_baseline(Path(tmp))
-            result = {
-                "machine": {"cpus": os.cpu_count()},
-                "sim_decode_step_ms": decode_step_ms,
-                "added_latency": asyncio.run(_latency(urls, n_latency)),
-            }
-            if base is not None:
-                _stop(base)  # the throughput phase is the fleet's alone
-                base = None
-            result["throughput"] = asyncio.run(_throughput(url, concurrency, duration_s, max_tokens))
-        finally:
-            if base is not None:
-                _stop(base)
-            fleet.stop()
+        if baseline:
+            base, urls["vllm"] = _start_baseline(Path(tmp))
+            stack.callback(_stop, base)
+        result = {
+            "machine": {"cpus": os.cpu_count()},
+            "sim_decode_step_ms": decode_step_ms,
+            "added_latency": asyncio.run(_latency(urls, n_latency)),
+        }
+        if receiver is not None and traced is not None:
+            # Evidence that the traced fleet exported: its processes send their spans in batches (every
+            # few seconds), so the last ones may still be on the way.
+            deadline = time.monotonic() + 15
+            while {s.service for s in receiver.spans} < {"skyline-gateway", "skyline-worker"} \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            result["tracing"] = {"spans_received": len(receiver.spans),
+                                 "services": sorted({s.service for s in receiver.spans})}
+            traced.stop()
+        if base is not None:
+            _stop(base)  # the throughput phase is the fleet's alone
+        result["throughput"] = asyncio.run(_throughput(url, concurrency, duration_s, max_tokens))
     return result
 
 
 def main(args) -> None:
     result = run(args.requests, args.concurrency, args.duration, args.max_tokens, args.decode_step_ms,
-                 baseline=not args.no_baseline)
+                 baseline=not args.no_baseline, tracing=args.tracing)
     print(json.dumps(result, indent=2))

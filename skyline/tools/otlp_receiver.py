@@ -1,5 +1,6 @@
-"""A real OTLP trace receiver for the tests: OpenTelemetry's own gRPC service definition (opentelemetry-proto),
-served by grpcio in a thread, keeping every span it is sent, decoded.
+"""A real OTLP trace receiver (for the tests and `skyline bench overhead --tracing`): OpenTelemetry's own
+gRPC service definition (opentelemetry-proto), served by grpcio in a thread, keeping every span it is sent,
+decoded.
 
     with OtlpReceiver() as rx:          # rx.endpoint: what --otlp-traces-endpoint takes
         ...
