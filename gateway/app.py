@@ -213,6 +213,12 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         except ApiError as exc:
             return _anthropic_error(exc)
 
+    @app.post("/generative_scoring")
+    async def generative_scoring(request: Request) -> Response:
+        # vllm serve's generative scoring: one one-token read per item, each its own Skyline request.
+        return await generation.serve(request, "scoring", request_model("generative_scoring"),
+                                      lambda f: f.scoring.create_generative_scoring)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve_completion(request)
@@ -527,11 +533,14 @@ def _skyline(scope: RequestScope) -> dict[str, Any] | list[dict[str, Any]] | Non
 
 
 def _prompts(body: dict[str, Any]) -> int:
-    """How many prompts a request carries: a completion's list of strings or of token-id lists, or the
-    batched chat's list of conversations."""
+    """How many prompts a request carries: a completion's list of strings or of token-id lists, the
+    batched chat's list of conversations, generative scoring's items."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return len(prompt)
+    items = body.get("items")  # generative scoring: one read per item
+    if isinstance(items, list) and items:
+        return len(items)
     conversations = body.get("messages")
     if isinstance(conversations, list) and conversations and all(isinstance(c, list) for c in conversations):
         return len(conversations)

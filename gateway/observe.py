@@ -40,7 +40,8 @@ log = logging.getLogger("skyline.gateway")
 # Admission's refusals by error code, as the `admitted` event's decision.
 _REFUSAL_DECISION = {"slo_unattainable": "reject", "overloaded": "overloaded"}
 # The OpenTelemetry GenAI operation name of each kind of request (gen_ai.operation.name).
-_OPERATION = {"chat": "chat", "completion": "text_completion", "responses": "chat", "messages": "chat"}
+_OPERATION = {"chat": "chat", "completion": "text_completion", "responses": "chat", "messages": "chat",
+              "scoring": "text_completion"}
 
 
 def gateway_id() -> str:

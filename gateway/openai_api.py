@@ -37,6 +37,7 @@ class Frontend:
     messages: Any  # AnthropicServingMessages (POST /v1/messages)
     completion: Any  # OpenAIServingCompletion
     responses: Any  # OpenAIServingResponses
+    scoring: Any  # ServingGenerativeScoring (POST /generative_scoring)
     tokenization: Any  # ServingTokenization
 
 
@@ -72,7 +73,7 @@ def build_frontend(cfg: SkylineConfig, client_cls: type, dispatcher: Any, model_
                     "template (%s)", served_model, objs.messages_error)
         messages = MessagesUnavailable(served_model, objs.messages_error)
     return Frontend(objs.models, objs.chat, objs.chat_batch, messages, objs.completion, objs.responses,
-                    objs.tokenization)
+                    objs.scoring, objs.tokenization)
 
 
 class MessagesUnavailable:

@@ -63,7 +63,7 @@ class Serving:
 class Prepared:
     """A validated request, ready to enqueue."""
 
-    kind: str  # "chat", "completion" or "responses"
+    kind: str  # the route: "chat", "completion", "responses", "messages" (Anthropic) or "scoring"
     request: GenerateRequest
     slo: Slo
     route: str

@@ -32,7 +32,6 @@ UNSERVED: dict[str, tuple[tuple[str, ...], str]] = {
                                           "scales by starting and stopping worker processes"),
     "/kv_event_sources": (("GET",), "each engine's KV cache events go to its own worker, which keeps the fleet's "
                                     "view in Redis (skyline:kvcache:<worker>, docs/operations.md)"),
-    "/generative_scoring": (("POST",), f"generative scoring is {_NOT_YET}"),
     "/v1/systemone": (("POST",), f"structured decisions are {_NOT_YET}"),
 }
 

@@ -70,6 +70,14 @@ ANTHROPIC_ERROR = Internal("vllm.entrypoints.anthropic.protocol", "AnthropicErro
                            fields=("type", "error"))
 ANTHROPIC_ERROR_INFO = Internal("vllm.entrypoints.anthropic.protocol", "AnthropicError", _ERRORS,
                                 fields=("type", "message"))
+# vllm serve's POST /generative_scoring: each item's next-token probabilities of the label tokens, one
+# one-token read per item through the engine client (max_tokens 1, logprob_token_ids).
+SERVING_GENERATIVE_SCORING = Internal("vllm.entrypoints.generate.generative_scoring.serving",
+                                      "ServingGenerativeScoring", _SERVE,
+                                      params=("engine_client", "models", "request_logger"))
+CREATE_GENERATIVE_SCORING = Internal(SERVING_GENERATIVE_SCORING.module,
+                                     "ServingGenerativeScoring.create_generative_scoring", _SERVE,
+                                     params=("request", "raw_request"))
 SERVING_COMPLETION = Internal(
     "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", _SERVE,
     params=("engine_client", "models", "online_renderer", "request_logger"))
@@ -127,6 +135,8 @@ REQUEST_MODELS = {
                              fields=("model", "messages")),
     "responses": Internal("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest", _PROTOCOL,
                           fields=("previous_response_id", "store", "background")),
+    "generative_scoring": Internal(SERVING_GENERATIVE_SCORING.module, "GenerativeScoringRequest", _PROTOCOL,
+                                   fields=("query", "items", "label_token_ids")),
     "tokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest", _PROTOCOL),
     "detokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest", _PROTOCOL),
 }
@@ -158,7 +168,8 @@ CONTRACT: tuple[Internal, ...] = (
     VLLM_CONFIG, MODEL_CONFIG_OF_ARGS, STRUCTURED_OUTPUTS_OF_ARGS, ENVS, LOAD_CHAT_TEMPLATE, RENDERER_FROM_CONFIG,
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
     SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_CHAT_BATCH, CREATE_CHAT_BATCH, SERVING_MESSAGES,
-    CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_GENERATIVE_SCORING,
+    CREATE_GENERATIVE_SCORING, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
     RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
     RESPONSES_CANCEL, RESPONSES_RESPONSE,
@@ -224,7 +235,7 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
                     chat_template: str | None, response_role: str, enable_auto_tools: bool, tool_parser: str | None,
                     reasoning_parser: str) -> SimpleNamespace:
     """vLLM's serving objects (`models`, `chat`, `chat_batch`, `messages` (None, and `messages_error` why,
-    where vLLM could not build it), `completion`, `responses`, `tokenization`) over
+    where vLLM could not build it), `completion`, `responses`, `scoring`, `tokenization`) over
     `client`, configured as `vllm serve` configures them from the same options."""
     models = SERVING_MODELS.resolve()(engine_client=client, base_model_paths=[
         BASE_MODEL_PATH.resolve()(name=served_model, model_path=model_path)])
@@ -249,11 +260,12 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
         client, models, online, request_logger=None, chat_template=chat_template, chat_template_content_format="auto",
         reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
     )
+    scoring = SERVING_GENERATIVE_SCORING.resolve()(client, models, request_logger=None)
     tokenization = SERVING_TOKENIZATION.resolve()(models, online, request_logger=None, chat_template=chat_template,
                                                   chat_template_content_format="auto")
     return SimpleNamespace(models=models, chat=chat, chat_batch=chat_batch, messages=messages,
                            messages_error=messages_error, completion=completion, responses=responses,
-                           tokenization=tokenization)
+                           scoring=scoring, tokenization=tokenization)
 
 
 def engine_client_class(cls: type, name: str, refuse: Any) -> type:

@@ -423,6 +423,25 @@ def test_anthropic_messages_api_answers_as_vllm_serve(fleet, reference):
     assert client(fleet.url).messages.count_tokens(**count).input_tokens == ref.messages.count_tokens(**count).input_tokens
 
 
+def test_generative_scoring_as_vllm_serve(fleet, reference):
+    """POST /generative_scoring: each item's probability of the first label token next (one read per
+    item, each its own fleet request), within the tier's tolerance of vllm serve's, in both routes."""
+    body = {"model": MODEL, "query": "The capital of France is", "items": [" Paris.", " Lyon.", " a city"],
+            "label_token_ids": [504, 30, 28]}
+
+    def scores(r: httpx.Response) -> list:
+        assert r.status_code == 200, r.text
+        return [(d["index"], d["score"]) for d in r.json()["data"]]
+
+    want = _post(reference, "/generative_scoring", body)
+    for route in ROUTES:
+        got = _post(fleet.url, "/generative_scoring", body, route)
+        assert _close(scores(got), scores(want)) and got.json()["usage"] == want.json()["usage"], route
+    bad = {**body, "label_token_ids": [10**9]}  # out of the vocabulary: vLLM's 400
+    assert _post(fleet.url, "/generative_scoring", bad).status_code == _post(reference, "/generative_scoring",
+                                                                              bad).status_code == 400
+
+
 def test_responses_api_stateless(clients):
     ref, sky = clients
     kw = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=16, store=False)
