@@ -219,6 +219,13 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         return await generation.serve(request, "scoring", request_model("generative_scoring"),
                                       lambda f: f.scoring.create_generative_scoring)
 
+    @app.post("/v1/systemone")
+    async def structured_decisions(request: Request) -> Response:
+        # vllm serve's structured decisions (label reads through the fleet), for the architectures vLLM has
+        # a read strategy for; any other model gets vllm serve's 501, once the body validated.
+        return await generation.serve(request, "decision", request_model("decision"),
+                                      lambda f: f.decisions.create_decision if f.decisions else _no_decisions)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve_completion(request)
@@ -545,6 +552,11 @@ def _prompts(body: dict[str, Any]) -> int:
     if isinstance(conversations, list) and conversations and all(isinstance(c, list) for c in conversations):
         return len(conversations)
     return 1
+
+
+async def _no_decisions(request: Any, raw_request: Any) -> Any:
+    raise ApiError(501, "The model does not support the structured decision API", type="NotImplementedError",
+                   code=501)
 
 
 def _claims(model: type, body: dict[str, Any]) -> bool:

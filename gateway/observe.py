@@ -41,7 +41,7 @@ log = logging.getLogger("skyline.gateway")
 _REFUSAL_DECISION = {"slo_unattainable": "reject", "overloaded": "overloaded"}
 # The OpenTelemetry GenAI operation name of each kind of request (gen_ai.operation.name).
 _OPERATION = {"chat": "chat", "completion": "text_completion", "responses": "chat", "messages": "chat",
-              "scoring": "text_completion"}
+              "scoring": "text_completion", "decision": "chat"}
 
 
 def gateway_id() -> str:

@@ -38,6 +38,7 @@ class Frontend:
     completion: Any  # OpenAIServingCompletion
     responses: Any  # OpenAIServingResponses
     scoring: Any  # ServingGenerativeScoring (POST /generative_scoring)
+    decisions: Any  # ServingStructuredDecisions (POST /v1/systemone); None where vLLM has none for the model
     tokenization: Any  # ServingTokenization
 
 
@@ -73,7 +74,7 @@ def build_frontend(cfg: SkylineConfig, client_cls: type, dispatcher: Any, model_
                     "template (%s)", served_model, objs.messages_error)
         messages = MessagesUnavailable(served_model, objs.messages_error)
     return Frontend(objs.models, objs.chat, objs.chat_batch, messages, objs.completion, objs.responses,
-                    objs.scoring, objs.tokenization)
+                    objs.scoring, objs.decisions, objs.tokenization)
 
 
 class MessagesUnavailable:

@@ -63,7 +63,7 @@ class Serving:
 class Prepared:
     """A validated request, ready to enqueue."""
 
-    kind: str  # the route: "chat", "completion", "responses", "messages" (Anthropic) or "scoring"
+    kind: str  # the route: "chat", "completion", "responses", "messages" (Anthropic), "scoring", "decision"
     request: GenerateRequest
     slo: Slo
     route: str

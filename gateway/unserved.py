@@ -14,7 +14,6 @@ from skyline.gateway.errors import ApiError
 _SCALE_OUT = ("vLLM's scale-out endpoints (render without generating, token-in generate) are not served by "
               "Skyline: its gateway renders every request and its workers generate; use /tokenize to render, "
               "and the OpenAI routes to generate")
-_NOT_YET = "not served by Skyline yet (docs/api.md)"
 
 # path: (methods, why)
 UNSERVED: dict[str, tuple[tuple[str, ...], str]] = {
@@ -32,7 +31,6 @@ UNSERVED: dict[str, tuple[tuple[str, ...], str]] = {
                                           "scales by starting and stopping worker processes"),
     "/kv_event_sources": (("GET",), "each engine's KV cache events go to its own worker, which keeps the fleet's "
                                     "view in Redis (skyline:kvcache:<worker>, docs/operations.md)"),
-    "/v1/systemone": (("POST",), f"structured decisions are {_NOT_YET}"),
 }
 
 

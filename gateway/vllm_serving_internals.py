@@ -78,6 +78,15 @@ SERVING_GENERATIVE_SCORING = Internal("vllm.entrypoints.generate.generative_scor
 CREATE_GENERATIVE_SCORING = Internal(SERVING_GENERATIVE_SCORING.module,
                                      "ServingGenerativeScoring.create_generative_scoring", _SERVE,
                                      params=("request", "raw_request"))
+# vllm serve's POST /v1/systemone (structured decisions): vLLM builds its serving object only for the model
+# architectures its read strategies know (Qwen3 and a few others); for any other it is None.
+_DECISIONS = "vllm.entrypoints.generate.structured_decisions"
+INIT_DECISIONS = Internal(
+    f"{_DECISIONS}.api_router", "init_structured_decisions_state", _SERVE,
+    params=("engine_client", "state", "args", "request_logger", "supported_tasks", "default_chat_template_kwargs"),
+    source=("state.serving_structured_decisions =", "args.chat_template", "state.online_renderer"))
+CREATE_DECISION = Internal(f"{_DECISIONS}.serving", "ServingStructuredDecisions.create_decision", _SERVE,
+                           params=("request", "raw_request"))
 SERVING_COMPLETION = Internal(
     "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", _SERVE,
     params=("engine_client", "models", "online_renderer", "request_logger"))
@@ -137,6 +146,8 @@ REQUEST_MODELS = {
                           fields=("previous_response_id", "store", "background")),
     "generative_scoring": Internal(SERVING_GENERATIVE_SCORING.module, "GenerativeScoringRequest", _PROTOCOL,
                                    fields=("query", "items", "label_token_ids")),
+    "decision": Internal(f"{_DECISIONS}.protocol", "StructuredDecisionRequest", _PROTOCOL,
+                         fields=("state", "questions")),
     "tokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest", _PROTOCOL),
     "detokenize": Internal("vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest", _PROTOCOL),
 }
@@ -169,7 +180,7 @@ CONTRACT: tuple[Internal, ...] = (
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
     SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_CHAT_BATCH, CREATE_CHAT_BATCH, SERVING_MESSAGES,
     CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_GENERATIVE_SCORING,
-    CREATE_GENERATIVE_SCORING, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    CREATE_GENERATIVE_SCORING, INIT_DECISIONS, CREATE_DECISION, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
     RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
     RESPONSES_CANCEL, RESPONSES_RESPONSE,
@@ -235,7 +246,8 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
                     chat_template: str | None, response_role: str, enable_auto_tools: bool, tool_parser: str | None,
                     reasoning_parser: str) -> SimpleNamespace:
     """vLLM's serving objects (`models`, `chat`, `chat_batch`, `messages` (None, and `messages_error` why,
-    where vLLM could not build it), `completion`, `responses`, `scoring`, `tokenization`) over
+    where vLLM could not build it), `completion`, `responses`, `scoring`, `decisions` (None for a model
+    vLLM's structured decisions do not support), `tokenization`) over
     `client`, configured as `vllm serve` configures them from the same options."""
     models = SERVING_MODELS.resolve()(engine_client=client, base_model_paths=[
         BASE_MODEL_PATH.resolve()(name=served_model, model_path=model_path)])
@@ -261,11 +273,15 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
         reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
     )
     scoring = SERVING_GENERATIVE_SCORING.resolve()(client, models, request_logger=None)
+    decisions_state = SimpleNamespace(online_renderer=online, openai_serving_models=models)
+    INIT_DECISIONS.resolve()(client, decisions_state, SimpleNamespace(
+        chat_template=chat_template, chat_template_content_format="auto"), None, ("generate",), {})
     tokenization = SERVING_TOKENIZATION.resolve()(models, online, request_logger=None, chat_template=chat_template,
                                                   chat_template_content_format="auto")
     return SimpleNamespace(models=models, chat=chat, chat_batch=chat_batch, messages=messages,
                            messages_error=messages_error, completion=completion, responses=responses,
-                           scoring=scoring, tokenization=tokenization)
+                           scoring=scoring, decisions=decisions_state.serving_structured_decisions,
+                           tokenization=tokenization)
 
 
 def engine_client_class(cls: type, name: str, refuse: Any) -> type:

@@ -442,6 +442,19 @@ def test_generative_scoring_as_vllm_serve(fleet, reference):
                                                                               bad).status_code == 400
 
 
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "state": "The sky is blue.",
+     "questions": {"q1": {"type": "choice", "criteria": ["yes", "no"], "instructions": "Is the sky blue?"}}},
+    {"model": MODEL},  # no state, no questions: vLLM's 400
+], ids=["default-model", "invalid"])
+def test_structured_decisions_answer_as_vllm_serve(fleet, reference, body):
+    """POST /v1/systemone: vLLM serves structured decisions for the architectures it has a read strategy for
+    (Qwen3 and a few others), and answers any other model, as the default one, with its 501."""
+    want = _post(reference, "/v1/systemone", body)
+    got = _post(fleet.url, "/v1/systemone", body)
+    assert got.status_code == want.status_code and got.json()["error"]["message"] == want.json()["error"]["message"]
+
+
 def test_responses_api_stateless(clients):
     ref, sky = clients
     kw = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=16, store=False)
