@@ -56,20 +56,21 @@ mixed chat + RAG benchmark: without this, a chat went to the engine computing a
 Who claims at all, until a head is due (`leaves_until_due`, elastic workers; off unless `[worker]
 long_prompt_memory_s` is set, see below). Long prompts (those the gateway routed through the prefill
 streams) gather on an engine once it computes one: for `long_prompt_memory_s` after its last
-(`computes_long`), a peer where they do not gather leaves the next long prompt to it (while it has room), and it leaves short prompts (the colocated route) to a live peer
-where they do not gather. Each waits only until the head's latest start (`scheduler.edf.start_by_ms`):
-past it, waiting would only make the head late, and whoever looks first claims it. So the engines find
-the disaggregated split under a load that needs it, and give it up when the long prompts stop; where
-every engine computes long prompts (a fleet of long prompts only) nothing is left, and the claim defer
-above decides alone. Measured on the mixed chat + RAG benchmark at 0.8 req/s: chats whose streams
-shared 128-token steps with a RAG prompt's chunks ran 2-5x their TPOT target, and a chat claimed beside
-a RAG prompt missed its TTFT; with long prompts given to the engine decoding fewer streams they
-alternated between the two engines (a RAG's own decode stays where it was computed), so that every
-engine ran chats beside RAG chunks; the fixed 1P + 1D split kept them apart. Off by default: a worker
-leaves a head to a peer without asking whether that peer can start it before the head's latest start,
-and in a large fleet the few engines where long prompts do not gather then get every short prompt
-(simulated, the DistServe check at 128 GPUs of elastic TP=2 engines: 4.45 req/s per GPU against 7.14
-without the rule). Bounding it by the peer's time to free (`FreestPeers.free_s` per kind) is the next step.
+(`computes_long`), a peer where they do not gather leaves the next long prompt to it (while it has
+room), and it leaves short prompts (the colocated route) to a live peer where they do not gather that
+holds fewer requests; each only to a peer that is free of its own prompts by the head's latest start
+(`scheduler.edf.start_by_ms`; the freest such peer's time to free, as in the claim defer above), and
+each only until then: past it, waiting would only make the head late, and whoever looks first claims
+it. So the engines find the disaggregated split under a load that needs it, and give it up when the
+long prompts stop; where every engine computes long prompts (a fleet of long prompts only) nothing is
+left, and the claim defer above decides alone. Measured on the mixed chat + RAG benchmark at 0.8 req/s:
+chats whose streams shared 128-token steps with a RAG prompt's chunks ran 2-5x their TPOT target, and a
+chat claimed beside a RAG prompt missed its TTFT; with long prompts given to the engine decoding fewer
+streams they alternated between the two engines (a RAG's own decode stays where it was computed), so
+that every engine ran chats beside RAG chunks; the fixed 1P + 1D split kept them apart. Without the two
+bounds, the few engines where long prompts did not gather in a large fleet got every short prompt and
+its stream (simulated, the DistServe check at 128 GPUs of elastic TP=2 engines: 4.45 req/s per GPU
+against 7.14 without the rule; 7.14 with the bounds, docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -184,25 +185,27 @@ class FreestPeers:
 
     by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
     idle_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
-    # Of the peers with room, (requests held, worker id) of two where long prompts gather and two where
-    # they do not (`computes_long`, `leaves_until_due`).
-    long_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
-    no_long_by_stage: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    # Of the peers with room, (when it is free, worker id) of the two freest where long prompts gather, and
+    # ((requests held, when it is free), worker id) of the two holding the fewest where they do not
+    # (`computes_long`, `leaves_until_due`).
+    long_by_stage: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+    no_long_by_stage: Mapping[str, tuple[tuple[tuple[int, float], str], ...]] = field(default_factory=dict)
 
     def fewest_streams(self, me: str, stage: str) -> int | None:
         """The fewest requests a peer of worker `me` that may claim `stage`'s prompts holds while computing
         no prompt (None: no such peer)."""
         return _other(self.idle_by_stage.get(stage, ()), me)
 
-    def has_peer_with_long(self, me: str, stage: str) -> bool:
-        """Has worker `me` a peer with room that may claim `stage`'s prompts and where long prompts gather
-        (`computes_long`)?"""
-        return _other(self.long_by_stage.get(stage, ()), me) is not None
+    def free_at_with_long(self, me: str, stage: str) -> float | None:
+        """When the freest peer of worker `me` with room that may claim `stage`'s prompts and where long
+        prompts gather (`computes_long`) is free of its own prompts (None: no such peer)."""
+        return _other(self.long_by_stage.get(stage, ()), me)
 
-    def has_peer_without_long(self, me: str, stage: str) -> bool:
-        """Has worker `me` a peer with room that may claim `stage`'s prompts and where long prompts do not
-        gather (`computes_long`)?"""
-        return _other(self.no_long_by_stage.get(stage, ()), me) is not None
+    def least_held_without_long(self, me: str, stage: str) -> tuple[int, float] | None:
+        """(requests it holds, when it is free of its own prompts) of the peer of worker `me` with room that
+        may claim `stage`'s prompts, where long prompts do not gather, holding the fewest requests (None: no
+        such peer)."""
+        return _other(self.no_long_by_stage.get(stage, ()), me)
 
     def free_s(self, me: str, stage: str, now: float) -> float | None:
         """In how many seconds from `now` the freest peer of worker `me` that may claim `stage`'s prompts is
@@ -222,8 +225,8 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
     watermark)."""
     best: dict[str, list[tuple[float, str]]] = {}
     idle: dict[str, list[tuple[int, str]]] = {}
-    long: dict[str, list[tuple[int, str]]] = {}
-    no_long: dict[str, list[tuple[int, str]]] = {}
+    long: dict[str, list[tuple[float, str]]] = {}
+    no_long: dict[str, list[tuple[tuple[int, float], str]]] = {}
     for p in peers:
         if not has_room(p, prompt_budget):
             continue
@@ -232,7 +235,10 @@ def freest_peers(peers: Iterable[PeerCompute], prompt_budget: int, prior_tokens_
             _keep_two(best.setdefault(stage, []), (free_at, p.worker_id))
             if p.left_tokens <= 0:
                 _keep_two(idle.setdefault(stage, []), (p.running, p.worker_id))
-            _keep_two((long if p.computes_long > 0 else no_long).setdefault(stage, []), (p.running, p.worker_id))
+            if p.computes_long > 0:
+                _keep_two(long.setdefault(stage, []), (free_at, p.worker_id))
+            else:
+                _keep_two(no_long.setdefault(stage, []), ((p.running, free_at), p.worker_id))
     return FreestPeers(*({stage: tuple(two) for stage, two in by.items()}  # type: ignore[arg-type]
                          for by in (best, idle, long, no_long)))
 
@@ -252,19 +258,25 @@ def computes_long(last_long_s: float | None, now_s: float, memory_s: float) -> b
     return memory_s > 0 and last_long_s is not None and now_s - last_long_s < memory_s
 
 
-def leaves_until_due(stage: str, prefill_tokens: int, *, long_here: bool, peer_with_long: bool,
-                     peer_without_long: bool) -> bool:
-    """Does an elastic worker leave a head of `stage` with `prefill_tokens` prompt tokens to compute to its
-    peers until the head's latest start (see the module's docstring)? `long_here`: long prompts (those
-    claimed from the prefill stage) gather on its engine (`computes_long`); `peer_with_long` /
-    `peer_without_long`: a live peer with room where they do / do not (`FreestPeers.has_peer_with_long`,
-    `has_peer_without_long`). A KV hand-off (no prompt to compute) is never left: its KV waits in another
-    engine."""
+def leaves_until_due(stage: str, prefill_tokens: int, start_by: float, *, long_here: bool, held_here: int,
+                     free_at_with_long: float | None, without_long: tuple[int, float] | None) -> bool:
+    """Does an elastic worker leave a head of `stage` with `prefill_tokens` prompt tokens to compute, due
+    to start by `start_by`, to its peers until then (see the module's docstring)? `long_here`: long
+    prompts (those claimed from the prefill stage) gather on its engine (`computes_long`); it holds
+    `held_here` requests (as its heartbeat counts them: prompts and streams); `free_at_with_long`: when the freest live peer with room where they gather
+    is free of its own prompts (`FreestPeers.free_at_with_long`), `without_long`: (requests held, when
+    free) of the one holding fewest where they do not (`least_held_without_long`); None: no such peer;
+    times in the clock of `start_by`. A long prompt is left to a peer where they gather, a short prompt
+    (it brings a stream) to one where they do not that holds fewer requests than this engine, each only
+    to a peer free by the head's latest start: a peer that could not start it in time would make it wait
+    for nothing, and one that holds more would gather every stream of a fleet of mostly long prompts on
+    its few engines. A KV hand-off (no prompt to compute) is never left: its KV waits in another engine."""
     if prefill_tokens <= 0:
         return False
     if stage == "decode":  # a short prompt, computed and decoded by whoever claims it
-        return long_here and peer_without_long
-    return not long_here and peer_with_long
+        return long_here and without_long is not None and without_long[0] < held_here \
+            and without_long[1] <= start_by
+    return not long_here and free_at_with_long is not None and free_at_with_long <= start_by
 
 
 def _keep_two(two: list, item: tuple) -> None:

@@ -134,15 +134,18 @@ def test_a_long_prompt_is_left_to_a_peer_decoding_fewer_streams_for_as_long_as_a
     assert long_prompt_defer_s(3, 1, max_s=0.0) == 0.0  # the defer is off
 
 
-def test_peers_with_room_where_long_prompts_gather_and_where_they_do_not_never_oneself():
-    peers = [_peer("rag", "elastic", 1400, running=2, computes_long=1),
-             _peer("chat", "elastic", 150, running=4), _peer("full", "elastic", 0, running=8, computes_long=1)]
+def test_the_freest_peers_with_room_where_long_prompts_gather_and_where_they_do_not_never_oneself():
+    peers = [_peer("rag", "elastic", 1400, running=2, computes_long=1, seen=10.0),
+             _peer("rag2", "elastic", 2000, running=1, computes_long=1, seen=10.0),
+             _peer("chat", "elastic", 150, running=4, seen=10.0),
+             _peer("full", "elastic", 0, running=8, computes_long=1)]
     freest = freest_peers(peers, prompt_budget=2048, prior_tokens_per_s=1000.0)
-    assert freest.has_peer_with_long("chat", "prefill")
-    assert not freest.has_peer_with_long("rag", "prefill")  # full has no room
-    assert freest.has_peer_without_long("rag", "decode")
-    assert not freest.has_peer_without_long("chat", "decode")
-    assert not NO_PEERS.has_peer_without_long("x", "decode") and not NO_PEERS.has_peer_with_long("x", "prefill")
+    assert freest.free_at_with_long("chat", "prefill") == pytest.approx(11.4)  # rag: 1400 tokens at 1000/s
+    assert freest.free_at_with_long("rag", "prefill") == pytest.approx(12.0)  # rag2 (full has no room)
+    assert freest.least_held_without_long("rag", "decode") == (4, pytest.approx(10.15))  # chat
+    assert freest.least_held_without_long("chat", "decode") is None
+    assert NO_PEERS.least_held_without_long("x", "decode") is None
+    assert NO_PEERS.free_at_with_long("x", "prefill") is None
 
 
 def test_long_prompts_gather_on_an_engine_while_it_computes_one_and_for_a_while_after():
@@ -154,19 +157,37 @@ def test_long_prompts_gather_on_an_engine_while_it_computes_one_and_for_a_while_
     assert not computes_long(100.0, 100.0, 0.0)  # the rule is off (the default)
 
 
-def test_where_long_prompts_gather_short_prompts_are_left_to_a_peer_where_they_do_not():
-    assert leaves_until_due("decode", 150, long_here=True, peer_with_long=False, peer_without_long=True)
-    assert not leaves_until_due("decode", 150, long_here=True, peer_with_long=True, peer_without_long=False)
-    assert not leaves_until_due("decode", 150, long_here=False, peer_with_long=False, peer_without_long=True)
-    assert not leaves_until_due("decode", 0, long_here=True, peer_with_long=False, peer_without_long=True)  # KV
+def test_where_long_prompts_gather_short_prompts_are_left_to_a_peer_where_they_do_not_free_in_time():
+    due = 20.0  # the head's latest start
+
+    def short(long_here=True, held_here=5, without_long=(2, 19.0), tokens=150):
+        return leaves_until_due("decode", tokens, due, long_here=long_here, held_here=held_here,
+                                free_at_with_long=1.0, without_long=without_long)
+
+    assert short()
+    assert short(without_long=(2, 20.0))
+    # That peer would not be free before the head must start: leaving it would make it wait for nothing.
+    assert not short(without_long=(2, 20.5))
+    # It holds as many requests: in a fleet of mostly long prompts, its few engines would gather every stream.
+    assert not short(held_here=2)
+    assert not short(without_long=None)
+    assert not short(long_here=False)
+    assert not short(tokens=0)  # a KV hand-off
 
 
-def test_a_long_prompt_is_left_to_a_peer_where_long_prompts_gather():
-    assert leaves_until_due("prefill", 1400, long_here=False, peer_with_long=True, peer_without_long=False)
+def test_a_long_prompt_is_left_to_a_peer_where_long_prompts_gather_free_in_time():
+    due = 20.0
+
+    def long(long_here=False, free_at_with_long=15.0, tokens=1400):
+        return leaves_until_due("prefill", tokens, due, long_here=long_here, held_here=0,
+                                free_at_with_long=free_at_with_long, without_long=(0, 1.0))
+
+    assert long()
+    assert not long(free_at_with_long=25.0)  # busy past the head's latest start
     # Where they gather here too (every engine computes long prompts), nothing is left: the claim defer decides.
-    assert not leaves_until_due("prefill", 1400, long_here=True, peer_with_long=True, peer_without_long=False)
-    assert not leaves_until_due("prefill", 1400, long_here=False, peer_with_long=False, peer_without_long=True)
-    assert not leaves_until_due("prefill", 0, long_here=False, peer_with_long=True, peer_without_long=False)
+    assert not long(long_here=True)
+    assert not long(free_at_with_long=None)
+    assert not long(tokens=0)
 
 
 # -- the live worker ---------------------------------------------------------------------------------------

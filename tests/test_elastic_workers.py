@@ -351,8 +351,8 @@ async def test_the_pace_rule_holds_a_request_back_only_until_its_latest_start(re
 
 async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_ones_keep_off_it(redis_url, key_prefix):
     """Long prompts (the prefill streams') go where long prompts are computed, and short ones to the engine
-    that computes none (scheduler/claiming.py `leaves_until_due`): the disaggregated split, found by the
-    engines. Before, the idle engine took the next long prompt at once, so that both engines ended up
+    that computes none while it holds fewer requests (scheduler/claiming.py `leaves_until_due`): the
+    disaggregated split, found by the engines. Before, the idle engine took the next long prompt at once, so that both engines ended up
     computing long prompts beside chats' streams."""
     cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"),
                                                 long_prompt_memory_s=LONG_PROMPT_MEMORY_S)
@@ -378,17 +378,26 @@ async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_on
         for _ in range(200):  # until one engine computes it and its peer has seen so in a heartbeat
             holder = next((rt for rt in rts if "long-0" in {h.request_id for h in rt.held}), None)
             other = next((rt for rt in rts if rt is not holder), None)
-            if holder is not None and other.freest.has_peer_with_long(other.worker_id, "prefill"):
+            if holder is not None and other.freest.free_at_with_long(other.worker_id, "prefill") is not None:
                 break
             await asyncio.sleep(0.02)
-        assert holder is not None and other.freest.has_peer_with_long(other.worker_id, "prefill")
+        assert holder is not None and other.freest.free_at_with_long(other.worker_id, "prefill") is not None
         # The other engine is idle; the next long prompt still goes where the first is computed...
         second = await run_request(client, keys, long_request("long-1"), timeout_s=30)
         assert computed_on(second) == holder.worker_id
-        # ... and a short prompt (the colocated route) to the engine that computes none, however lightly loaded.
-        chats = await _serve_all(client, keys, [gen_request(f"chat-{i}", list(range(1, 30)), 4, route="colocated")
-                                                for i in range(3)])
-        assert {computed_on(f) for f in chats} == {other.worker_id}
         assert computed_on(await first) == holder.worker_id
+        # ... and a short prompt (the colocated route) to the engine that computes none while it holds fewer
+        # requests: sent while a third long prompt is held where they gather, once the holder has seen in a
+        # heartbeat that the other engine holds nothing.
+        third = asyncio.create_task(run_request(client, keys, long_request("long-2"), timeout_s=30))
+        for _ in range(300):
+            if "long-2" in {h.request_id for h in holder.held} and \
+                    (holder.freest.least_held_without_long(holder.worker_id, "decode") or (1,))[0] == 0:
+                break
+            await asyncio.sleep(0.02)
+        chat = await run_request(client, keys, gen_request("chat", list(range(1, 30)), 4, route="colocated"),
+                                 timeout_s=30)
+        assert computed_on(chat) == other.worker_id
+        assert computed_on(await third) == holder.worker_id
     finally:
         await stop_fleet(client, rts, tasks)

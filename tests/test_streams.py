@@ -132,7 +132,8 @@ async def test_an_elastic_worker_leaves_heads_to_its_peers_only_until_they_must_
     q = StageQueues({s: TierQueues(r, keys, s, DEFAULT_TIERS, "w") for s in ("prefill", "decode")})
     left: list[tuple[str, str]] = []
 
-    def leave_chats(stage: str, head) -> bool:
+    def leave_chats(stage: str, head, start_by_ms: int) -> bool:
+        assert start_by_ms > now_ms()  # asked with the head's latest start, only while it is ahead
         left.append((stage, head.request_id))
         return stage == "decode"
 

@@ -444,17 +444,19 @@ class WorkerRuntime:
                 await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
             self._start(held, room)
 
-    def _leaves(self, stage: str, head: Head) -> bool:
-        """Does this elastic worker leave `head` of `stage` to its peers until it must start
-        (scheduler/claiming.py `leaves_until_due`): a short prompt while long prompts gather on its engine
-        and a peer's they do not, a long prompt while they gather on a peer's and not here? Asked at each
-        look at the heads, a claim that blocks for an entry included: the state it weighs may change meanwhile."""
+    def _leaves(self, stage: str, head: Head, start_by_ms: int) -> bool:
+        """Does this elastic worker leave `head` of `stage` (latest start `start_by_ms`) to its peers until
+        it must start (scheduler/claiming.py `leaves_until_due`): a short prompt while long prompts gather
+        on its engine and not on a peer's free by then that holds fewer requests, a long prompt while they
+        gather on a peer's free by then and not here? Asked at each look at the heads, a claim that blocks for an entry included: the state it
+        weighs may change meanwhile."""
         if not head.prefill_tokens:
             return False  # (a KV hand-off: nothing to weigh)
-        long_here, me, peers = self._computes_long(), self.worker_id, self.freest
-        return leaves_until_due(stage, head.prefill_tokens, long_here=long_here,
-                                peer_with_long=not long_here and peers.has_peer_with_long(me, "prefill"),
-                                peer_without_long=long_here and peers.has_peer_without_long(me, "decode"))
+        me, peers = self.worker_id, self.freest
+        return leaves_until_due(stage, head.prefill_tokens, start_by_ms / 1000, long_here=self._computes_long(),
+                                held_here=len(self.held),
+                                free_at_with_long=peers.free_at_with_long(me, "prefill"),
+                                without_long=peers.least_held_without_long(me, "decode"))
 
     def _computes_long(self) -> bool:
         """Do long prompts (the prefill stage's) gather on this engine (scheduler/claiming.py `computes_long`)?"""

@@ -175,8 +175,8 @@ class WorkerConfig:
     claim_defer_max_s: float = CLAIM_DEFER_MAX_S
     # elastic: for how long after its last long prompt an engine stays the one long prompts gather on and
     # short prompts keep off (scheduler/claiming.py `leaves_until_due`; 15 = what the mixed benchmark ran
-    # with); 0 = off, the default: it leaves a head to a peer without asking whether that peer can start it
-    # in time, and simulated at 128 GPUs (the DistServe check) that cost 38% of the goodput.
+    # with); 0 = off, the default: simulated at 512 GPUs (the DistServe check) it costs 9% of the goodput
+    # (docs/scheduling.md "The split, found under load").
     long_prompt_memory_s: float = 0.0
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction

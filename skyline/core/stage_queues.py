@@ -20,8 +20,9 @@ from skyline.scheduler.edf import pick_tier, start_by_ms
 from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
 
 
-# (stage, head) -> does the claimer leave that head to its peers until it must start (elastic workers)?
-Leave = Callable[[str, Head], bool]
+# (stage, head, its latest start in ms) -> does the claimer leave that head to its peers until it must
+# start (elastic workers)?
+Leave = Callable[[str, Head, int], bool]
 
 
 def stage_of_message(msg: messages.Message) -> str:
@@ -68,7 +69,7 @@ class StageQueues:
         """The head to claim: earliest latest start first over every stage (`start_by_ms` at the claimer's
         `tokens_per_s`, 0: by deadline; the tiers' EDF, `pick_tier`, within each stage), the decode stage
         first among equals (`stage_due_first`); among `tiers` only, if given; with `due_by_ms`, only if it
-        must start by then; a head `leave(stage, head)` leaves to peers (`claiming.leaves_until_due`) only
+        must start by then; a head `leave(stage, head, its latest start)` leaves to peers (`claiming.leaves_until_due`) only
         once it must start now."""
         now = now_ms() if leave is not None else 0
         self.left_heads = False
@@ -77,7 +78,7 @@ class StageQueues:
             if tiers is not None and head.tier not in tiers:
                 continue
             key = start_by_ms(head.deadline_ms, head.prefill_tokens, tokens_per_s)
-            if leave is not None and not paced_claim_due(key, now) and leave(stage, head):
+            if leave is not None and not paced_claim_due(key, now) and leave(stage, head, key):
                 self.left_heads = True
                 continue
             seen = first.get(stage)

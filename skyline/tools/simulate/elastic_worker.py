@@ -69,21 +69,23 @@ class ElasticWorker(DecodeWorker):
 
     def leave_for(self, q: StageQueues) -> Skip | None:
         """The heads of `q` it leaves to its peers until they must start (`claiming.leaves_until_due`; live:
-        `WorkerRuntime._leaves`): short prompts while long prompts gather on its engine and a peer's they do
-        not; long prompts while they gather on a peer's and not here. None: it leaves none (and always with
+        `WorkerRuntime._leaves`): short prompts while long prompts gather on its engine and not on a peer's
+        free by the head's latest start that holds fewer requests; long prompts while they gather on a
+        peer's free by then and not here. None: it leaves none (and always with
         `[worker] long_prompt_memory_s` off)."""
         sim = self.sim
         if sim.worker_cfg.long_prompt_memory_s <= 0:
             return None
         long_here = self.computes_long()
-        with_long = not long_here and sim.freest.has_peer_with_long(self.name, "prefill")
-        without_long = long_here and sim.freest.has_peer_without_long(self.name, "decode")
-        if not (with_long or without_long):
+        with_long = None if long_here else sim.freest.free_at_with_long(self.name, "prefill")
+        without_long = sim.freest.least_held_without_long(self.name, "decode") if long_here else None
+        if with_long is None and without_long is None:
             return None
         stage = "decode" if q is sim.decode_q else "prefill"
-        return lambda item: leaves_until_due(stage, item[0].backlog_tokens if item[1] is None else 0,
-                                             long_here=long_here, peer_with_long=with_long,
-                                             peer_without_long=without_long)
+        held = self.B + self.arriving + len(self.local) + len(self.joining)  # as its heartbeat counts them
+        return lambda item, start_by_ms: leaves_until_due(
+            stage, item[0].backlog_tokens if item[1] is None else 0, start_by_ms / 1000, long_here=long_here,
+            held_here=held, free_at_with_long=with_long, without_long=without_long)
 
     def computes_long(self) -> bool:
         """Do long prompts (the prefill stage's) gather on its engine (`claiming.computes_long`; live:

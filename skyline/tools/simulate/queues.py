@@ -30,8 +30,9 @@ from skyline.scheduler.edf import pick_tier, retry_first, start_by_ms
 from skyline.scheduler.prefix import may_claim
 from skyline.tools.simulate.request import SimRequest
 
-# An entry -> does the claimer leave it to its peers until it must start (live: `stage_queues.Leave`)?
-Skip = Callable[[tuple], bool]
+# (an entry, its latest start in ms) -> does the claimer leave it to its peers until it must start (live:
+# `stage_queues.Leave`)?
+Skip = Callable[[tuple, int], bool]
 
 
 class StageQueues:
@@ -136,7 +137,7 @@ class StageQueues:
                         best, due, holder = lane, d, worker
             if best is not None:
                 key = start_key(best[0], due, rate)
-                if skip is not None and key > now_ms and skip(best[0]):
+                if skip is not None and key > now_ms and skip(best[0], key):
                     continue
                 heads[t], chosen[t] = key, (best, holder, key)
         if not heads:
