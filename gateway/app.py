@@ -177,12 +177,6 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     async def chat_completions(request: Request) -> Response:
         return await serve_chat(request)
 
-    @app.post("/v1/chat/completions/batch")
-    async def batch_chat_completions(request: Request) -> Response:
-        # vLLM's batched chat (several conversations, one choice each): one fleet request per conversation.
-        return await generation.serve(request, "chat", request_model("chat_batch"),
-                                      lambda f: f.chat_batch.create_batch_chat_completion)
-
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         # vllm serve's SageMaker route: the body is served as the first request model it validates
@@ -213,18 +207,20 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
         except ApiError as exc:
             return _anthropic_error(exc)
 
-    @app.post("/generative_scoring")
-    async def generative_scoring(request: Request) -> Response:
-        # vllm serve's generative scoring: one one-token read per item, each its own Skyline request.
-        return await generation.serve(request, "scoring", request_model("generative_scoring"),
-                                      lambda f: f.scoring.create_generative_scoring)
-
-    @app.post("/v1/systemone")
-    async def structured_decisions(request: Request) -> Response:
-        # vllm serve's structured decisions (label reads through the fleet), for the architectures vLLM has
-        # a read strategy for; any other model gets vllm serve's 501, once the body validated.
-        return await generation.serve(request, "decision", request_model("decision"),
-                                      lambda f: f.decisions.create_decision if f.decisions else _no_decisions)
+    # vllm serve's other generation routes, each one call of vLLM's serving code whose engine requests are
+    # Skyline requests: path -> (kind, its request model, the call).
+    other_routes: dict[str, tuple[str, str, Callable[[Frontend], Callable[..., Awaitable[Any]]]]] = {
+        # batched chat: several conversations, one choice and one fleet request each
+        "/v1/chat/completions/batch": ("chat", "chat_batch", lambda f: f.chat_batch.create_batch_chat_completion),
+        # generative scoring: one one-token read per item
+        "/generative_scoring": ("scoring", "generative_scoring", lambda f: f.scoring.create_generative_scoring),
+        # structured decisions (label reads), for the architectures vLLM has a read strategy for; any other
+        # model gets vllm serve's 501, once the body validated
+        "/v1/systemone": ("decision", "decision",
+                          lambda f: f.decisions.create_decision if f.decisions else _no_decisions),
+    }
+    for path, (kind, model_kind, pick) in other_routes.items():
+        app.add_api_route(path, generation.route(kind, model_kind, pick), methods=["POST"])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -320,6 +316,13 @@ class _GenerationRoutes:
         self.rate_limiter = rate_limiter
         self.budgets = budgets
         self.metrics = metrics
+
+    def route(self, kind: str, model_kind: str, pick: Callable[[Frontend], Callable[..., Awaitable[Any]]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+        """A route that serves each request with `pick`'s call (`serve`)."""
+        async def serve(request: Request) -> Response:
+            return await self.serve(request, kind, request_model(model_kind), pick)
+        return serve
 
     async def read(self, request: Request) -> dict[str, Any]:
         """A generation request's body, read once by a route that looks at it before serving it."""
