@@ -203,7 +203,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(request: Request) -> Response:
         try:
-            return await generation.plain(request, request_model("count_tokens"), lambda f: f.messages.count_tokens)
+            return await generation.plain(request, request_model("count_tokens"), lambda f: f.messages.count_tokens,
+                                          anthropic=True)
         except ApiError as exc:
             return _anthropic_error(exc)
 
@@ -352,9 +353,10 @@ class _GenerationRoutes:
                                 f"{self.registry.failed[name]}", param="model", code="model_unavailable")
         return (pool or self.registry.own).front
 
-    async def plain(self, request: Request, model: Any, pick: Callable[[Frontend], Callable[..., Awaitable[Any]]]
-                    ) -> Response:
-        """A route that never reaches the fleet (tokenize, detokenize): no token budget to spend."""
+    async def plain(self, request: Request, model: Any, pick: Callable[[Frontend], Callable[..., Awaitable[Any]]],
+                    anthropic: bool = False) -> Response:
+        """A route that never reaches the fleet (tokenize, detokenize, the Messages API's token count): no
+        token budget to spend. `anthropic`: answered in the Messages API's shape."""
         body = await self._body(request, generates=False)
         handler = pick(await self._front(body, request.state.tenant))
         try:
@@ -370,7 +372,7 @@ class _GenerationRoutes:
         except Exception as exc:  # noqa: BLE001 - as vLLM's server answers what its serving code raises
             # (a chat template rendering /tokenize's messages can fail as it does for a chat request)
             raise from_vllm(exc) from None
-        return _plain_response(result, anthropic=model is request_model("count_tokens"))
+        return _plain_response(result, anthropic)
 
     async def serve(self, request: Request, kind: str, model: Any,
                     pick: Callable[[Frontend], Callable[..., Awaitable[Any]]],
