@@ -277,6 +277,39 @@ def test_no_process_of_the_fleet_outlives_a_launcher_killed_with_sigkill(tmp_pat
     assert not _port_open(gw_port) and not _port_open(redis_port)
 
 
+def test_nixl_side_channels_get_ports_no_outgoing_connection_can_take():
+    """An engine binds its NIXL side channel only after loading its model; a port the OS handed out as
+    free (the ephemeral range) was taken by another process's outgoing connection in between (CI,
+    2026-12-07: "Address already in use"). Listen ports come from below that range, disjoint per engine."""
+    from skyline.core.config import SkylineConfig
+    from skyline.core.net import ephemeral_low, listen_ports
+    from skyline.tools.launcher import plan_workers
+
+    class Draws:  # randint's draws in order, as a seeded random.Random would give them
+        def __init__(self, *values: int):
+            self.values = list(values)
+
+        def randint(self, _lo: int, _hi: int) -> int:
+            return self.values.pop(0)
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", listen_ports()[0]))
+        held.listen()
+        port = held.getsockname()[1]
+        # A draw on the held port, one whose second rank would be the held port, one overlapping the
+        # first pick, then free ones: only free, disjoint runs come back.
+        free = listen_ports(2, span=2)
+        got = listen_ports(2, span=2, rng=Draws(port, port - 1, free[0], free[0] + 1, free[1]))
+    assert got == free, (got, free, port)
+    for _ in range(20):
+        bases = listen_ports(4, span=3)
+        assert all(10000 <= b and b + 3 <= ephemeral_low() for b in bases), bases
+        assert all(abs(a - b) >= 3 for i, a in enumerate(bases) for b in bases[i + 1:]), bases
+    plan = plan_workers(SkylineConfig(), 2, 2)
+    nixl = [int(args[args.index("--nixl-port") + 1]) for _name, args in plan]
+    assert len(set(nixl)) == 4 and all(p < ephemeral_low() for p in nixl), nixl
+
+
 def test_engines_get_cores_of_their_own_pool():
     from skyline.tools.launcher import core_binds
 

@@ -7,7 +7,7 @@ import logging
 from dataclasses import replace
 
 from skyline.core.config import EngineConfig, SkylineConfig
-from skyline.core.net import free_port
+from skyline.core.net import listen_port
 from skyline.workers.engines.base import Engine
 
 log = logging.getLogger("skyline.worker")
@@ -32,7 +32,7 @@ def build_engine(ec: EngineConfig, model_path: str, urgent_priority: int = 0, ro
         return VllmEngine(
             model=model_path, dtype=ec.dtype, max_model_len=ec.max_model_len, kv_cache_gib=ec.kv_cache_gib,
             gpu_memory_utilization=ec.gpu_memory_utilization,
-            cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or free_port(), kv_lease_s=ec.kv_lease_s,
+            cpu_bind=ec.cpu_bind, nixl_host=ec.nixl_host, nixl_port=ec.nixl_port or listen_port(), kv_lease_s=ec.kv_lease_s,
             engine_nice=ec.engine_nice, kv_transfer=ec.kv_transfer, max_num_batched_tokens=ec.max_num_batched_tokens or None,
             block_size=ec.kv_block_size or None,
             long_prefill_token_threshold=ec.prefill_cap(), background_step_tokens=ec.background_tokens(role),
@@ -52,7 +52,11 @@ async def run_worker(cfg: SkylineConfig, model_path: str, model_name: str) -> No
     # Fix the side-channel port now: it is advertised in the heartbeat as well as in KV handles.
     moves_kv = cfg.engine.kind == "vllm" and cfg.engine.kv_transfer
     if moves_kv and not cfg.engine.nixl_port:
-        cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=free_port()))
+        from skyline.core import engine_args
+
+        # Below the ephemeral range: the engine binds it only after loading the model (skyline/core/net.py).
+        span = engine_args.ranks(cfg.engine, cfg.worker.role)
+        cfg = replace(cfg, engine=replace(cfg.engine, nixl_port=listen_port(span)))
     engine = build_engine(cfg.engine, model_path, urgent_priority=min(t.priority for t in cfg.tiers),
                           role=cfg.worker.role, otlp_traces_endpoint=cfg.observability.otlp_traces_endpoint)
     rt = WorkerRuntime(cfg, engine, model_name, model_path)

@@ -341,6 +341,16 @@ def resolve(ec: EngineConfig, role: str | None) -> tuple[EngineConfig, dict[str,
     return ec, given
 
 
+def ranks(ec: EngineConfig, role: str | None) -> int:
+    """Processes of one engine of `role`: vLLM runs one per tensor- and pipeline-parallel rank (on CPUs
+    each bound to a core set of its own). The fleet reserves as many NIXL side-channel ports per engine:
+    vLLM 0.32 listens on one (base + the data-parallel index), earlier releases on one per rank."""
+    if not ec.vllm:
+        return 1
+    given = resolve(ec, role)[1]
+    return int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1))
+
+
 def engine_args(given: dict[str, Any], skyline: dict[str, Any]) -> Any:
     """vLLM's AsyncEngineArgs for an engine: vLLM's defaults, the user's arguments, then what Skyline sets
     (`skyline`: values it derives from the user's or controls; refused above where they conflict), built by

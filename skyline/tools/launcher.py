@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from skyline.core import envs
+from skyline.core import engine_args, envs
 from skyline.core.config import EngineConfig, SkylineConfig
 from skyline.core.envs import skyline_home
 from skyline.core.lifetime import parent_death_signal
-from skyline.core.net import free_port, port_holder, port_taken
+from skyline.core.net import listen_ports, port_holder, port_taken
 from skyline.tools.progress import Console, LineFilter, Seen, rotate, tail
 from skyline.scheduler.elastic import ROLES as WORKER_ROLES
 from skyline.tools.redis_server import FLEET_USER, start_redis
@@ -103,8 +103,13 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
     roles = ("decode", "elastic") if cfg.gateway.mode == "colocated" else ("prefill", "decode", "elastic")
     workers = [(m, role) for role in roles for m in models for _ in range(getattr(m, role))]  # prefill engines first
     n_prefill = sum(1 for _m, role in workers if role == "prefill")
-    ranks = [engine_ranks(m.engine, role) for m, role in workers] if cfg.engine.kind == "vllm" else None
+    ranks = [engine_args.ranks(m.engine, role) for m, role in workers] if cfg.engine.kind == "vllm" else None
     binds = core_binds(n_prefill, len(workers) - n_prefill, _cores(), ranks)
+    # Each engine's NIXL side channel: ports no outgoing connection can take before the engine binds
+    # them, after loading its model (a free_port() here lost that race to another process, 2026-12-07),
+    # one run per engine wide enough for all its ranks, disjoint across the fleet.
+    moves_kv = cfg.engine.kind == "vllm" and cfg.gateway.mode != "colocated"
+    nixl = listen_ports(len(workers), span=max(ranks or [1])) if moves_kv else []
     plan = []
     for i, (m, role) in enumerate(workers):
         args = [role]
@@ -113,23 +118,12 @@ def plan_workers(cfg: SkylineConfig, n_prefill: int, n_decode: int,
         if cfg.engine.kind == "vllm":
             args += ["--cpu-bind", binds[i]]
             # A colocated fleet never moves KV: no NIXL connector at all.
-            args += ["--no-kv-transfer"] if cfg.gateway.mode == "colocated" else ["--nixl-port", str(free_port())]
+            args += ["--nixl-port", str(nixl[i])] if moves_kv else ["--no-kv-transfer"]
         if metrics_port_base:
             args += ["--metrics-port", str(metrics_port_base + i)]
         name = f"{m.tag}{role}-{sum(1 for other, r in workers[:i] if r == role and other is m)}"
         plan.append((name, args))
     return plan
-
-
-def engine_ranks(ec: EngineConfig, role: str) -> int:
-    """Processes of one engine of `role`: vLLM's CPU backend runs one per tensor- and pipeline-parallel
-    rank, each bound to a core set of its own (VLLM_CPU_OMP_THREADS_BIND: one set per rank, `|` between)."""
-    if not ec.vllm:
-        return 1
-    from skyline.core.engine_args import resolve
-
-    given = resolve(ec, role)[1]
-    return int(given.get("tensor_parallel_size", 1)) * int(given.get("pipeline_parallel_size", 1))
 
 
 def core_binds(n_prefill: int, n_decode: int, cores: list[int], ranks: list[int] | None = None) -> list[str]:
