@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline.core import redisconn
+from skyline.core import engine_args, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys, keyspace_of
 from skyline.core.sim_model import sim_model_dir
@@ -102,8 +102,13 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
                        background=background, budgets=budgets)
         if not own:
             d.redis, d.relay = registry.own.dispatcher.redis, registry.own.dispatcher.relay
-        front = build_frontend(cfg, fleet_client, d, spec.path or str(sim_model_dir()), spec.name, spec.max_model_len)
+        front = build_frontend(cfg, fleet_client, d, spec.path or str(sim_model_dir()), spec.name, spec.max_model_len,
+                               engine_args=own_engine_args if own else {})
         return ModelPool(spec, front, d, own=own)
+
+    # The vLLM engine arguments the gateway was given (`skyline up` passes every engine's): requests for its
+    # own model are checked as those engines check them (--max-logprobs, ...). Other models': vLLM's defaults.
+    own_engine_args = engine_args.resolve(cfg.engine, None)[1] if cfg.engine.kind == "vllm" and cfg.engine.vllm else {}
 
     own = build_pool(ModelSpec(served_model, model_path, max_model_len, keyspace_of(served_model, cfg.default_model)),
                      own=True)

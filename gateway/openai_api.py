@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from skyline.core import frontend_args
 from skyline.core.config import SkylineConfig
 from skyline.gateway import vllm_serving_internals
 from skyline.gateway.errors import ApiError
@@ -50,22 +51,26 @@ def chat_template_text(spec: str) -> str | None:
 
 
 def build_frontend(cfg: SkylineConfig, client_cls: type, dispatcher: Any, model_path: str, served_model: str,
-                   max_model_len: int) -> Frontend:
+                   max_model_len: int, engine_args: dict[str, Any] | None = None) -> Frontend:
     """vLLM's serving objects as `vllm serve --model model_path --served-model-name served_model
-    --max-model-len max_model_len` plus the gateway's tool/reasoning/chat-template options."""
+    --max-model-len max_model_len` plus the gateway's vLLM serving-layer options and `engine_args` (the
+    engines' vLLM arguments, {dest: value}: requests are checked against the config they make)."""
     g = cfg.gateway
     if g.enable_auto_tool_choice and not g.tool_call_parser:
         raise ValueError("gateway.enable_auto_tool_choice needs gateway.tool_call_parser (as vllm serve's "
                          "--enable-auto-tool-choice needs --tool-call-parser)")
-    config = vllm_serving_internals.engine_config(model_path, max_model_len, g.reasoning_parser)
+    config = vllm_serving_internals.engine_config(model_path, max_model_len, g.reasoning_parser, engine_args or {})
     renderer, input_processor = vllm_serving_internals.renderer_and_input_processor(config)
     client = client_cls(config, renderer, input_processor, dispatcher)
     tool_parser = g.tool_call_parser or None
     reasoning = g.reasoning_parser or ""
+    # vllm serve's serving-layer arguments: vLLM's defaults, the gateway's vLLM flags, then its own options
+    # of vLLM's names (a config file's [gateway] keys, the command line's flags).
+    args = frontend_args.namespace(g.vllm_args, chat_template=g.chat_template or None, response_role=g.response_role,
+                                   enable_auto_tool_choice=g.enable_auto_tool_choice, tool_call_parser=tool_parser)
     objs = vllm_serving_internals.serving_objects(
         client, config, renderer, served_model=served_model, model_path=model_path,
-        chat_template=chat_template_text(g.chat_template), response_role=g.response_role,
-        enable_auto_tools=g.enable_auto_tool_choice, tool_parser=tool_parser, reasoning_parser=reasoning)
+        chat_template=chat_template_text(g.chat_template), args=args, reasoning_parser=reasoning)
     log.info("OpenAI surface: vLLM's serving layer (tool parser %s, auto tool choice %s, reasoning parser %s)",
              tool_parser or "none", g.enable_auto_tool_choice, reasoning or "none")
     messages = objs.messages

@@ -47,10 +47,12 @@ BASE_MODEL_PATH = Internal("vllm.entrypoints.openai.models.protocol", "BaseModel
 SERVING_MODELS = Internal("vllm.entrypoints.openai.models.serving", "OpenAIServingModels", _SERVE,
                           params=("engine_client", "base_model_paths"))
 SHOW_MODELS = Internal(SERVING_MODELS.module, "OpenAIServingModels.show_available_models", _SERVE)
-SERVING_CHAT = Internal(
-    "vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", _SERVE,
-    params=("engine_client", "models", "response_role", "online_renderer", "request_logger", "chat_template",
-            "chat_template_content_format", "reasoning_parser", "enable_auto_tools", "tool_parser"))
+_CHAT_PARAMS = ("engine_client", "models", "response_role", "online_renderer", "request_logger", "chat_template",
+                "chat_template_content_format", "reasoning_parser", "enable_auto_tools", "tool_parser",
+                "return_tokens_as_token_ids", "enable_prompt_tokens_details", "enable_force_include_usage",
+                "default_chat_template_kwargs")
+SERVING_CHAT = Internal("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", _SERVE,
+                        params=(*_CHAT_PARAMS, "exclude_tools_when_tool_choice_none"))
 CREATE_CHAT = Internal(SERVING_CHAT.module, "OpenAIServingChat.create_chat_completion", _SERVE,
                        params=("request", "raw_request"))
 # vllm serve's POST /v1/chat/completions/batch: a subclass of its chat serving, built with the same arguments.
@@ -61,7 +63,7 @@ CREATE_CHAT_BATCH = Internal(SERVING_CHAT_BATCH.module, "OpenAIServingChatBatch.
 # vllm serve's Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens): a subclass of its chat
 # serving that converts the request to a chat request and the chat answer back.
 SERVING_MESSAGES = Internal("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages", _SERVE,
-                            params=SERVING_CHAT.params)
+                            params=_CHAT_PARAMS)
 CREATE_MESSAGES = Internal(SERVING_MESSAGES.module, "AnthropicServingMessages.create_messages", _SERVE,
                            params=("request", "raw_request"))
 COUNT_MESSAGE_TOKENS = Internal(SERVING_MESSAGES.module, "AnthropicServingMessages.count_tokens", _SERVE,
@@ -81,6 +83,10 @@ CREATE_GENERATIVE_SCORING = Internal(SERVING_GENERATIVE_SCORING.module,
 # vllm serve's POST /v1/systemone (structured decisions): vLLM builds its serving object only for the model
 # architectures its read strategies know (Qwen3 and a few others); for any other it is None.
 _DECISIONS = "vllm.entrypoints.generate.structured_decisions"
+# vllm serve's serving-layer options (skyline/core/frontend_args.py) as its init passes them on.
+DEFAULT_CHAT_TEMPLATE_KWARGS = Internal("vllm.entrypoints.launchers.cli_args", "resolve_default_chat_template_kwargs",
+                                        _SERVE, params=("args",))
+SET_FINGERPRINT_MODE = Internal("vllm.entrypoints.serve.utils.fingerprint", "set_default_fingerprint_mode", _SERVE)
 INIT_DECISIONS = Internal(
     f"{_DECISIONS}.api_router", "init_structured_decisions_state", _SERVE,
     params=("engine_client", "state", "args", "request_logger", "supported_tasks", "default_chat_template_kwargs"),
@@ -89,7 +95,8 @@ CREATE_DECISION = Internal(f"{_DECISIONS}.serving", "ServingStructuredDecisions.
                            params=("request", "raw_request"))
 SERVING_COMPLETION = Internal(
     "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", _SERVE,
-    params=("engine_client", "models", "online_renderer", "request_logger"))
+    params=("engine_client", "models", "online_renderer", "request_logger", "return_tokens_as_token_ids",
+            "enable_prompt_tokens_details", "enable_force_include_usage"))
 CREATE_COMPLETION = Internal(SERVING_COMPLETION.module, "OpenAIServingCompletion.create_completion", _SERVE,
                              params=("request", "raw_request"))
 SERVING_RESPONSES = Internal(
@@ -180,7 +187,7 @@ CONTRACT: tuple[Internal, ...] = (
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
     SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_CHAT_BATCH, CREATE_CHAT_BATCH, SERVING_MESSAGES,
     CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_GENERATIVE_SCORING,
-    CREATE_GENERATIVE_SCORING, INIT_DECISIONS, CREATE_DECISION, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    CREATE_GENERATIVE_SCORING, DEFAULT_CHAT_TEMPLATE_KWARGS, SET_FINGERPRINT_MODE, INIT_DECISIONS, CREATE_DECISION, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
     RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
     RESPONSES_CANCEL, RESPONSES_RESPONSE,
@@ -208,13 +215,16 @@ BENCH_SERVE_SCRIPT = (
 # ---- building the serving layer ----------------------------------------------------------------
 
 
-def engine_config(model_path: str, max_model_len: int, reasoning_parser: str = "") -> Any:
-    """The VllmConfig of a server that renders and parses but never runs the model."""
-    from vllm import AsyncEngineArgs
+def engine_config(model_path: str, max_model_len: int, reasoning_parser: str = "",
+                  given: dict[str, Any] | None = None) -> Any:
+    """The VllmConfig of a server that renders and parses but never runs the model; `given`: the engines' vLLM
+    arguments ({dest: value}, skyline/core/engine_args.py), so that requests are checked as they check them."""
+    from skyline.core import engine_args
 
     MODEL_CONFIG_OF_ARGS.resolve()
-    args = AsyncEngineArgs(model=model_path, max_model_len=max_model_len, reasoning_parser=reasoning_parser or None,
-                           skip_tokenizer_init=False)
+    args = engine_args.engine_args(given or {}, {
+        "model": model_path, "max_model_len": max_model_len, "skip_tokenizer_init": False,
+        **({"reasoning_parser": reasoning_parser} if reasoning_parser else {})})
     model_config = args.create_model_config()
     model_config.quantization = None  # no kernels run here (as vLLM's render server does)
     ENVS.resolve().VLLM_CPU_KVCACHE_SPACE = 0  # no KV cache here either; silences vLLM's CPU warning
@@ -242,42 +252,72 @@ def check_inputs(input_processor: Any, request_id: str, prompt: Any, params: Any
                                    lora_request=lora_request)
 
 
+def serving_options(args: Any) -> dict[str, Any]:
+    """The serving-layer options `vllm serve` builds its serving objects with, from its parsed arguments
+    (`args`: skyline/core/frontend_args.py `namespace`), under the constructors' parameter names (vLLM's
+    init_app_state and init_generate_state). Each object gets those its constructor takes (`_taken`)."""
+    return dict(
+        chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
+        default_chat_template_kwargs=DEFAULT_CHAT_TEMPLATE_KWARGS.resolve()(args),
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_parser=args.tool_call_parser,
+        tool_strict_level=args.tool_strict_level,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_log_outputs=args.enable_log_outputs,
+        enable_log_deltas=args.enable_log_deltas,
+        log_error_stack=args.log_error_stack,
+        disabled_thinking_effort=args.anthropic_disabled_thinking_effort,
+    )
+
+
+def _taken(cls: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `options` that `cls`'s constructor takes (vLLM's classes differ in which they take)."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return {k: v for k, v in options.items() if k in params}
+
+
 def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: str, model_path: str,
-                    chat_template: str | None, response_role: str, enable_auto_tools: bool, tool_parser: str | None,
-                    reasoning_parser: str) -> SimpleNamespace:
+                    chat_template: str | None, args: Any, reasoning_parser: str) -> SimpleNamespace:
     """vLLM's serving objects (`models`, `chat`, `chat_batch`, `messages` (None, and `messages_error` why,
     where vLLM could not build it), `completion`, `responses`, `scoring`, `decisions` (None for a model
-    vLLM's structured decisions do not support), `tokenization`) over
-    `client`, configured as `vllm serve` configures them from the same options."""
+    vLLM's structured decisions do not support), `tokenization`) over `client`, configured as `vllm serve`
+    configures them from the same arguments (`args`: vLLM's frontend arguments, `serving_options`)."""
+    SET_FINGERPRINT_MODE.resolve()(args.fingerprint_mode, args.fingerprint_value)  # before any serving class
+    options = dict(serving_options(args), chat_template=chat_template, reasoning_parser=reasoning_parser or None,
+                   request_logger=None)
     models = SERVING_MODELS.resolve()(engine_client=client, base_model_paths=[
         BASE_MODEL_PATH.resolve()(name=served_model, model_path=model_path)])
-    online = ONLINE_RENDERER.resolve()(
-        model_config=config.model_config, renderer=renderer, request_logger=None, chat_template=chat_template,
-        chat_template_content_format="auto", enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser or None,
-    )
+    renderer_cls = ONLINE_RENDERER.resolve()
+    online = renderer_cls(model_config=config.model_config, renderer=renderer, **_taken(renderer_cls, options))
     online.warmup()
-    chat_kwargs = dict(online_renderer=online, request_logger=None, chat_template=chat_template,
-                       chat_template_content_format="auto", reasoning_parser=reasoning_parser,
-                       enable_auto_tools=enable_auto_tools, tool_parser=tool_parser)
-    chat = SERVING_CHAT.resolve()(client, models, response_role, **chat_kwargs)
-    chat_batch = SERVING_CHAT_BATCH.resolve()(client, models, response_role, **chat_kwargs)
-    messages_cls, messages_error = SERVING_MESSAGES.resolve(), ""
+    options = dict(options, online_renderer=online, reasoning_parser=reasoning_parser)
+
+    def build(internal: Internal, *args_: Any) -> Any:
+        cls = internal.resolve()
+        return cls(*args_, **_taken(cls, options))
+
+    chat = build(SERVING_CHAT, client, models, args.response_role)
+    chat_batch = build(SERVING_CHAT_BATCH, client, models, args.response_role)
+    messages, messages_error = None, ""
     try:  # vLLM renders a probe conversation with the chat template here (Messages API system prompts)
-        messages = messages_cls(client, models, response_role, **chat_kwargs)
+        messages = build(SERVING_MESSAGES, client, models, args.response_role)
     except Exception as exc:  # noqa: BLE001 - a template that crashes on it leaves the other routes served
-        messages, messages_error = None, f"{type(exc).__name__}: {exc}"
-    completion = SERVING_COMPLETION.resolve()(client, models, online_renderer=online, request_logger=None)
-    responses = SERVING_RESPONSES.resolve()(
-        client, models, online, request_logger=None, chat_template=chat_template, chat_template_content_format="auto",
-        reasoning_parser=reasoning_parser, enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-    )
+        messages_error = f"{type(exc).__name__}: {exc}"
+    completion = build(SERVING_COMPLETION, client, models)
+    responses = build(SERVING_RESPONSES, client, models)
     scoring = SERVING_GENERATIVE_SCORING.resolve()(client, models, request_logger=None)
     decisions_state = SimpleNamespace(online_renderer=online, openai_serving_models=models)
     INIT_DECISIONS.resolve()(client, decisions_state, SimpleNamespace(
-        chat_template=chat_template, chat_template_content_format="auto"), None, ("generate",), {})
-    tokenization = SERVING_TOKENIZATION.resolve()(models, online, request_logger=None, chat_template=chat_template,
-                                                  chat_template_content_format="auto")
+        chat_template=chat_template, chat_template_content_format=args.chat_template_content_format), None,
+        ("generate",), options["default_chat_template_kwargs"])
+    tokenization = build(SERVING_TOKENIZATION, models)
     return SimpleNamespace(models=models, chat=chat, chat_batch=chat_batch, messages=messages,
                            messages_error=messages_error, completion=completion, responses=responses,
                            scoring=scoring, decisions=decisions_state.serving_structured_decisions,

@@ -272,6 +272,8 @@ def config_from_args(args: argparse.Namespace) -> SkylineConfig:
         cfg = replace(cfg, engine=config_model(cfg, g("config_model")))
     if g("key_prefix"):
         cfg = replace(cfg, key_prefix=g("key_prefix"))
+    if g("frontend_argv"):  # after the config file's
+        cfg = replace(cfg, gateway=replace(cfg.gateway, vllm_args=(*cfg.gateway.vllm_args, *g("frontend_argv"))))
     if g("engine_argv") or any(g(f"{role}_engine_args") for role in ("prefill", "decode", "elastic")):
         from skyline.core.engine_args import split_argv
 
@@ -349,13 +351,31 @@ def resolve_engine_args(cfg: SkylineConfig, roles: tuple[str | None, ...], prog:
     return replace(cfg, engine=resolved[0])
 
 
+def _split_vllm_argv(command: str, rest: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(frontend arguments, engine arguments) of the vLLM arguments a command got after its own: a worker
+    takes only the latter; a gateway and `up` both (a gateway checks requests as its fleet's engines would:
+    --max-logprobs, --max-model-len, ...). vLLM's frontend parser checks them here (exit 2 with its message or
+    Skyline's refusal), before anything starts."""
+    if not rest or command == "worker":
+        return [], rest
+    from skyline.core.frontend_args import FrontendArgsError, parse, split
+
+    frontend, engine = split(rest)
+    try:
+        parse(frontend)
+    except FrontendArgsError as exc:
+        parser.error(f"the command line: {exc}")
+    return frontend, engine
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     # `worker` and `up` take vLLM's engine arguments after their own (vLLM's parser checks them, ENGINE_ARGS).
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("worker", "up"):
+    if rest and args.command not in ("worker", "up", "gateway"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.engine_argv = rest
+    # vllm serve's serving-layer flags go to the gateway (`up` passes them on), the rest to the engines.
+    args.frontend_argv, args.engine_argv = _split_vllm_argv(args.command, rest, parser)
     from skyline.core.logs import setup_logging
 
     log_level = getattr(args, "log_level", "INFO")
@@ -441,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         from skyline.gateway.server import serve
         from skyline.tools.model import model_identity
         from skyline.workers.advertise import gateway_bind_warning
+
+        cfg = resolve_engine_args(cfg, (None,), "skyline gateway")  # every engine's: what requests are checked by
 
         if warning := gateway_bind_warning(cfg):
             logging.getLogger("skyline.gateway").warning(warning)

@@ -232,3 +232,13 @@ def test_operator_keys_take_no_limits_and_key_options_is_not_an_option(tmp_path)
         _load(tmp_path, "[gateway]\nkey_options = []\n")
     with pytest.raises(ValueError, match="tenant_strictest_tier = 'gold' is not one of the tiers"):
         _load(tmp_path, '[gateway]\ntenant_strictest_tier = "gold"\n')
+
+
+def test_the_prefill_cap_never_exceeds_the_context_length():
+    """vLLM refuses long_prefill_token_threshold > max_model_len: `skyline up --max-model-len 128` (one of
+    vLLM's own tests' servers) stopped every engine at start with the derived cap of 224."""
+    from skyline.core.config import EngineConfig
+
+    assert EngineConfig(max_model_len=128).prefill_cap() == 128
+    assert EngineConfig().prefill_cap() == 224  # 7/8 of the 256-token step, under the default 2048
+    assert EngineConfig(max_model_len=128, long_prefill_token_threshold=0).prefill_cap() == 0  # no cap stays none

@@ -444,3 +444,44 @@ def test_reasoning_parser_splits_reasoning_from_content(redis_url, key_prefix):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json?"}],
                                            max_tokens=8, response_format={"type": "json_object"})
         assert "reasoning parser" in ei.value.message
+
+
+def test_vllm_serves_serving_layer_flags_reach_vllms_serving_objects(redis_url, key_prefix):
+    """`skyline gateway --enable-force-include-usage --response-role bot` (vllm serve's flags, parsed by vLLM's
+    parser): a stream that did not ask for usage ends with it, and chat deltas carry that role, as vllm serve
+    answers with those flags. Without them (the `fleet` fixture's tests) neither happens."""
+    cfg = make_cfg(redis_url, key_prefix, vllm_args=("--enable-force-include-usage", "--response-role", "bot"))
+    announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
+    worker = HandWorker(redis_url, Keys(key_prefix))
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        fut = pool.submit(lambda: list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True)))
+        _f, msg = worker.take("prefill")
+        worker.send(*worker.script(msg.request_id, ["Yo", "!"]))
+        chunks = fut.result()
+    assert chunks[0].choices[0].delta.role == "bot"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_requests_are_checked_against_the_engines_vllm_arguments(redis_url, key_prefix):
+    """The gateway checks a request as its fleet's engines would: with `--max-logprobs 30` among the engine
+    arguments (`skyline up` passes every engine's to the gateway), 25 logprobs are taken where vLLM's
+    default of 20 refuses them, as vllm serve with that flag does; 31 are refused naming the bound."""
+    from skyline.core.engine_args import VllmArgs
+
+    cfg = make_cfg(redis_url, key_prefix)
+    cfg = replace(cfg, engine=replace(cfg.engine, vllm=VllmArgs(argv=("--max-logprobs", "30"))))
+    announce_workers(redis_url, Keys(key_prefix), "prefill", "decode", model=MODEL)
+    worker = HandWorker(redis_url, Keys(key_prefix))
+    with GatewayThread(cfg, None, MODEL, MAX_MODEL_LEN) as gw, ThreadPoolExecutor(1) as pool:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        fut = pool.submit(client.completions.create, model=MODEL, prompt="Hi", max_tokens=2, logprobs=25)
+        _f, msg = worker.take("prefill")
+        assert msg.sampling.params["logprobs"] == 25
+        worker.send(messages.Failed(msg.request_id, 0, 503, "enough", "server_error"))
+        with pytest.raises(openai.APIStatusError):
+            fut.result()
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=31)
+        assert "max allowed: 30" in ei.value.message

@@ -147,8 +147,10 @@ class EngineConfig:
     sim_lora_load_s: float = 0.05
 
     def prefill_cap(self) -> int:
-        """long_prefill_token_threshold as vLLM takes it (0 = no cap)."""
-        return prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+        """long_prefill_token_threshold as vLLM takes it (0 = no cap), at most the context length (vLLM
+        refuses a larger one: `--max-model-len 128` stopped every engine at start)."""
+        cap = prefill_cap(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+        return min(cap, self.max_model_len) if cap > 0 and self.max_model_len > 0 else cap
 
     def background_tokens(self, role: str) -> int:
         """background_step_tokens resolved against the step for a worker of `role` (0 = off)."""
@@ -284,6 +286,11 @@ class GatewayConfig:
     reasoning_parser: str = ""  # one of vLLM's reasoning parsers (e.g. "deepseek_r1", "qwen3"); "" = none
     chat_template: str = ""  # a file or the template itself; "" = the model's own
     response_role: str = "assistant"  # the role of generated chat messages
+    # The rest of vllm serve's serving-layer flags, as typed (skyline/core/frontend_args.py): vLLM's
+    # parser checks them and the gateway's vLLM serving objects get them as vllm serve's would, e.g.
+    # ["--enable-prompt-tokens-details", "--return-tokens-as-token-ids"]. `skyline up` and `skyline
+    # gateway` take them on the command line among the vLLM arguments.
+    vllm_args: tuple[str, ...] = ()
     request_timeout_s: float = 300.0  # a request with no final frame by then fails with 504
     first_frame_timeout_s: float = 120.0  # no output at all by then -> 503 (fleet stuck or gone)
     worker_liveness_s: float = 10.0  # a worker whose heartbeat is older is treated as gone (<= heartbeat_ttl_s)
