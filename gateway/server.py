@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
+from skyline.core import frontend_args
 from skyline.core.config import SkylineConfig
 from skyline.gateway.app import create_app
 
@@ -16,6 +17,9 @@ def serve(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len:
     than the gateway's whole hot path (metrics count requests instead).
     """
     app = create_app(cfg, model_path, served_model, max_model_len)
+    given = frontend_args.parse(cfg.gateway.vllm_args)  # vllm serve's server options (skyline/core/frontend_args.py)
+    if given.get("root_path"):  # behind a proxy that routes a path prefix here: as vllm serve sets it
+        app.root_path = given["root_path"]
     uvicorn.run(
         app,
         host=cfg.gateway.host,
@@ -23,7 +27,7 @@ def serve(cfg: SkylineConfig, model_path: str, served_model: str, max_model_len:
         loop="uvloop",
         http="httptools",
         access_log=False,
-        log_level="info",
+        log_level=given.get("uvicorn_log_level", "info"),
         log_config=None,  # uvicorn's own lines go through Skyline's handler (skyline/core/logs.py: text or json)
         # On SIGTERM uvicorn stops accepting connections and lets open responses finish: as long as
         # the workers may drain theirs (worker.drain_timeout_s), so a fleet stopping as a whole

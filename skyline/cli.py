@@ -240,7 +240,9 @@ def _openai_surface(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SkylineConfig:
     g = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent from a subcommand read as None
-    api_keys = g("api_key") or ([k for k in envs.API_KEYS.get().split(",") if k] or None)
+    # vllm serve's VLLM_API_KEY counts too, last (a drop-in's environment keeps working).
+    api_keys = g("api_key") or ([k for k in envs.API_KEYS.get().split(",") if k] or None) \
+        or ([envs.VLLM_API_KEY.get()] if envs.VLLM_API_KEY.get() else None)
     operator_keys = g("operator_api_key") or ([k for k in envs.OPERATOR_API_KEYS.get().split(",") if k] or None)
     overrides = {
         "redis": {"url": g("redis_url") or envs.REDIS_URL.get() or None,

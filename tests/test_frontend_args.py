@@ -52,3 +52,25 @@ def test_the_gateway_command_checks_its_vllm_arguments_before_starting():
     assert got.returncode == 2 and "--tool-server: the gateway runs no MCP" in got.stderr
     got = run("--max-logprobs", "many")
     assert got.returncode == 2 and "invalid int value: 'many'" in got.stderr
+
+
+def test_vllm_api_key_is_required_as_vllm_serve_requires_it(monkeypatch):
+    """vllm serve's VLLM_API_KEY: the gateway requires it where no Skyline flag or variable names keys."""
+    from skyline.cli import build_parser, config_from_args
+
+    monkeypatch.delenv("SKYLINE_API_KEYS", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert config_from_args(build_parser().parse_args(["gateway"])).gateway.api_keys == ("from-vllm",)
+    given = build_parser().parse_args(["gateway", "--api-key", "mine"])
+    assert config_from_args(given).gateway.api_keys == ("mine",)  # --api-key first, as in vllm serve
+
+
+def test_server_options_reach_the_gateways_http_server():
+    """--root-path (behind a path-routing proxy) and --uvicorn-log-level are vllm serve's HTTP-server options
+    the gateway applies (gateway/server.py); TLS and CORS are refused, saying where they belong."""
+    frontend, engine = frontend_args.split(["--root-path", "/llm", "--uvicorn-log-level", "warning", "--dtype", "half"])
+    assert engine == ["--dtype", "half"]
+    assert frontend_args.parse(frontend) == {"root_path": "/llm", "uvicorn_log_level": "warning"}
+    for argv in (["--ssl-keyfile", "k.pem"], ["--allowed-origins", '["*"]']):
+        with pytest.raises(frontend_args.FrontendArgsError, match="in a proxy in front of the gateway"):
+            frontend_args.parse(argv)

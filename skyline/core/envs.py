@@ -40,6 +40,8 @@ REDIS_PASSWORD = EnvVar("SKYLINE_REDIS_PASSWORD", "",
                         "Redis password (kept off command lines, where `ps` shows it)", "every process (cli)")
 API_KEYS = EnvVar("SKYLINE_API_KEYS", "", "comma-separated API keys the gateway requires (and batch tools send)",
                   "gateway, batch tools (cli)")
+VLLM_API_KEY = EnvVar("VLLM_API_KEY", "", "vllm serve's API key variable, read as vllm serve reads it: the key the "
+                      "gateway requires when neither --api-key nor SKYLINE_API_KEYS names one", "gateway (cli)")
 OPERATOR_API_KEYS = EnvVar("SKYLINE_OPERATOR_API_KEYS", "",
                            "comma-separated operator keys: every tenant's objects, the dashboard (batch runners send the first)",
                            "gateway, batch runner (cli)")
@@ -67,7 +69,7 @@ SIM_NATIVE = EnvVar("SKYLINE_SIM_NATIVE", "",
                     "skyline simulate (set when it starts itself again with the build)")
 TEST_ARTIFACTS = EnvVar("SKYLINE_TEST_ARTIFACTS", "", "folder where tests keep screenshots and reports", "tests")
 
-ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, OPERATOR_API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
+ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, VLLM_API_KEY, OPERATOR_API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
                  NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, SIM_NATIVE, TEST_ARTIFACTS)
 
 

@@ -1,6 +1,7 @@
 """vLLM's serving-layer arguments (`vllm serve`'s frontend options: usage details, token ids, chat-template
-defaults, tool-choice handling, ...), parsed by vLLM's own parser and handed to the gateway's vLLM serving
-objects as `vllm serve` hands them (gateway/vllm_serving_internals.py `serving_objects`).
+defaults, tool-choice handling, ..., and its HTTP server's), parsed by vLLM's own parser and handed to the
+gateway's vLLM serving objects as `vllm serve` hands them (gateway/vllm_serving_internals.py
+`serving_objects`); the server's go to the gateway's uvicorn (`SERVER`, gateway/server.py).
 
 `skyline up` takes them among its vLLM arguments: `split` keeps the ones vLLM's frontend parser knows for the
 gateway and leaves the rest to the engines' parser (skyline/core/engine_args.py). `skyline gateway` takes them
@@ -13,10 +14,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# The options of vLLM's BaseFrontendArgs Skyline takes elsewhere: its own flags of the same name (chat
-# template, tool choice and parser, handled by `skyline gateway`/`up` themselves) and `--lora-modules`,
-# which the workers register in the fleet's adapter registry (skyline/core/engine_args.py).
-OWN = frozenset({"chat_template", "enable_auto_tool_choice", "tool_call_parser", "lora_modules"})
+# The options of vLLM's FrontendArgs Skyline takes elsewhere: its own flags of the same name (chat template,
+# tool choice and parser, host, port, API keys, handled by `skyline gateway`/`up` themselves) and
+# `--lora-modules`, which the workers register in the fleet's adapter registry (skyline/core/engine_args.py).
+OWN = frozenset({"chat_template", "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "host", "port",
+                 "api_key"})
+
+# vllm serve's HTTP-server options the gateway applies (gateway/server.py); accepted as what the gateway does
+# anyway: no access log, no /docs.
+SERVER = frozenset({"root_path", "uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints",
+                    "disable_fastapi_docs"})
+_PROXY = "terminate it in a proxy in front of the gateway (docs/operations.md)"
 
 # Given, these are refused with the reason, not accepted and ignored.
 REFUSED = {
@@ -31,6 +39,24 @@ REFUSED = {
     "trust_request_mm_kwargs": "multimodal requests are not served",
     "cohere_is_reasoning_model": "the Cohere API is not served",
     "cohere_format": "the Cohere API is not served",
+    # vllm serve's HTTP server, where the gateway's differs:
+    "uds": "the gateway listens on TCP (--host, --port)",
+    "ssl_keyfile": f"the gateway serves plain HTTP: {_PROXY}", "ssl_certfile": f"the gateway serves plain HTTP: {_PROXY}",
+    "ssl_ca_certs": f"the gateway serves plain HTTP: {_PROXY}", "ssl_cert_reqs": f"the gateway serves plain HTTP: {_PROXY}",
+    "ssl_ciphers": f"the gateway serves plain HTTP: {_PROXY}", "enable_ssl_refresh": f"the gateway serves plain HTTP: {_PROXY}",
+    "allow_credentials": f"the gateway sets no CORS headers: {_PROXY}", "allowed_origins": f"the gateway sets no CORS headers: {_PROXY}",
+    "allowed_methods": f"the gateway sets no CORS headers: {_PROXY}", "allowed_headers": f"the gateway sets no CORS headers: {_PROXY}",
+    "middleware": "the gateway loads no ASGI middleware by import path",
+    "enable_request_id_headers": "the gateway does not add X-Request-Id to responses (its `skyline` object names the request)",
+    "h11_max_incomplete_event_size": "the gateway's HTTP parser is httptools; its bound is [gateway] max_header_bytes",
+    "h11_max_header_count": "the gateway's HTTP parser is httptools; its bound is [gateway] max_header_bytes",
+    "enable_offline_docs": "the gateway serves no /docs",
+    "grpc_port": "the gateway serves no gRPC",
+    "data_parallel_supervisor_port": "the fleet is scaled by worker processes, not vLLM's data-parallel supervisor",
+    "dp_supervisor_probe_interval_s": "the fleet is scaled by worker processes, not vLLM's data-parallel supervisor",
+    "dp_supervisor_probe_timeout_s": "the fleet is scaled by worker processes, not vLLM's data-parallel supervisor",
+    "dp_supervisor_probe_failure_threshold": "the fleet is scaled by worker processes, not vLLM's data-parallel supervisor",
+    "enable_flash_late_interaction": "pooling models are not served",
 }
 
 _PARSER: Any = None
@@ -42,11 +68,11 @@ class FrontendArgsError(ValueError):
 
 
 def parser() -> Any:
-    """vLLM's parser of BaseFrontendArgs (its serving-layer options), every default suppressed, so that a
-    parse holds what was given and nothing else."""
+    """vLLM's parser of FrontendArgs (vllm serve's serving-layer and HTTP-server options), every default
+    suppressed, so that a parse holds what was given and nothing else."""
     global _PARSER
     if _PARSER is None:
-        from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         class Parser(FlexibleArgumentParser):
@@ -54,7 +80,7 @@ def parser() -> Any:
                 raise FrontendArgsError(message)
 
         p = Parser(prog="vLLM frontend arguments", add_help=False)
-        BaseFrontendArgs.add_cli_args(p)
+        FrontendArgs.add_cli_args(p)
         for action in p._actions:
             if action.default is not argparse.SUPPRESS:
                 _DEFAULTS[action.dest] = action.default
