@@ -51,3 +51,19 @@ def test_the_bench_client_script_names_vllms_functions():
     compile(serving.BENCH_SERVE_SCRIPT, "<vllm bench serve>", "exec")
     for internal in (serving.ARGUMENT_PARSER, serving.BENCH_SERVE_ADD_ARGS, serving.BENCH_SERVE_MAIN):
         assert internal.name in serving.BENCH_SERVE_SCRIPT and internal.module in serving.BENCH_SERVE_SCRIPT
+
+
+def test_every_serving_layer_option_reaches_a_serving_class():
+    """Each option vllm serve's arguments set (`serving_options`) is a parameter of at least one of the serving
+    classes the gateway builds: an option vLLM renamed would otherwise be dropped without a word (each class
+    gets only the options its constructor takes)."""
+    import inspect
+
+    from skyline.core import frontend_args
+
+    classes = [i.resolve() for i in (serving.ONLINE_RENDERER, serving.SERVING_CHAT, serving.SERVING_CHAT_BATCH,
+                                     serving.SERVING_MESSAGES, serving.SERVING_COMPLETION, serving.SERVING_RESPONSES,
+                                     serving.SERVING_TOKENIZATION)]
+    taken = {name for cls in classes for name in inspect.signature(cls).parameters}
+    options = serving.serving_options(frontend_args.namespace([]))
+    assert set(options) <= taken, sorted(set(options) - taken)
