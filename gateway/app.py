@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from skyline.core import engine_args, redisconn
+from skyline.core import engine_args, frontend_args, redisconn
 from skyline.core.config import SkylineConfig
 from skyline.core.keys import Keys, keyspace_of
 from skyline.core.sim_model import sim_model_dir
@@ -53,7 +53,8 @@ from skyline.gateway.responses_api import ResponsesApi
 from skyline.gateway.tenants import Tenant, Tenants, api_key_of, check_model
 from skyline.gateway import unserved
 from skyline.gateway.vllm_serving_internals import (
-    allow_vllm_handlers, anthropic_error_body, is_error_response, request_model, validation_response,
+    add_server_middleware, allow_vllm_handlers, anthropic_error_body, is_error_response, request_model,
+    validation_response,
 )
 from skyline.scheduler.admission import TtftCalibration
 from skyline.scheduler.rate_limit import RateLimit
@@ -165,6 +166,8 @@ def create_app(cfg: SkylineConfig, model_path: str, served_model: str, max_model
     allow_vllm_handlers(app)  # what vLLM's validation error handler reads
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_bytes=cfg.gateway.max_header_bytes)
+    # vllm serve's HTTP middleware its flags ask for (CORS, X-Request-Id, --middleware), vLLM's own classes.
+    add_server_middleware(app, frontend_args.namespace(cfg.gateway.vllm_args))
     app.include_router(batch_router(cfg, lambda: dispatcher.redis, tenants))  # the Batch API (gateway/batch_routes.py)
     generation = _GenerationRoutes(cfg, registry, rate_limiter, budgets, metrics, tenants)
     # The Responses API's store in Redis around vLLM's own Responses serving (gateway/responses_api.py).

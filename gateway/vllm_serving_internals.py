@@ -87,6 +87,11 @@ _DECISIONS = "vllm.entrypoints.generate.structured_decisions"
 DEFAULT_CHAT_TEMPLATE_KWARGS = Internal("vllm.entrypoints.launchers.cli_args", "resolve_default_chat_template_kwargs",
                                         _SERVE, params=("args",))
 SET_FINGERPRINT_MODE = Internal("vllm.entrypoints.serve.utils.fingerprint", "set_default_fingerprint_mode", _SERVE)
+X_REQUEST_ID_MIDDLEWARE = Internal("vllm.entrypoints.serve.middleware.x_request_id", "XRequestIdMiddleware", _SERVE)
+# What `add_server_middleware` follows: vLLM's own set-up of these (its order and meaning).
+SERVER_MIDDLEWARE = Internal("vllm.entrypoints.serve.middleware.register", "init_entrypoints_middleware", _SERVE,
+                             params=("args", "app"), source=("CORSMiddleware", "args.enable_request_id_headers",
+                                                              "args.middleware"))
 INIT_DECISIONS = Internal(
     f"{_DECISIONS}.api_router", "init_structured_decisions_state", _SERVE,
     params=("engine_client", "state", "args", "request_logger", "supported_tasks", "default_chat_template_kwargs"),
@@ -187,7 +192,8 @@ CONTRACT: tuple[Internal, ...] = (
     INPUT_PROCESSOR, PROCESS_INPUTS, ONLINE_RENDERER, ONLINE_RENDERER_WARMUP, BASE_MODEL_PATH, SERVING_MODELS,
     SHOW_MODELS, SERVING_CHAT, CREATE_CHAT, SERVING_CHAT_BATCH, CREATE_CHAT_BATCH, SERVING_MESSAGES,
     CREATE_MESSAGES, COUNT_MESSAGE_TOKENS, ANTHROPIC_ERROR, ANTHROPIC_ERROR_INFO, SERVING_GENERATIVE_SCORING,
-    CREATE_GENERATIVE_SCORING, DEFAULT_CHAT_TEMPLATE_KWARGS, SET_FINGERPRINT_MODE, INIT_DECISIONS, CREATE_DECISION, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
+    CREATE_GENERATIVE_SCORING, DEFAULT_CHAT_TEMPLATE_KWARGS, SET_FINGERPRINT_MODE, X_REQUEST_ID_MIDDLEWARE,
+    SERVER_MIDDLEWARE, INIT_DECISIONS, CREATE_DECISION, SERVING_COMPLETION, CREATE_COMPLETION, SERVING_RESPONSES,
     CREATE_RESPONSES, SERVING_TOKENIZATION, CREATE_TOKENIZE, CREATE_DETOKENIZE, RESPONSES_SSE,
     RESPONSES_STORE, RESPONSES_CREATE_STORE, RESPONSES_PREVIOUS, RESPONSES_FINAL_STORE, RESPONSES_EVENT_STORE,
     RESPONSES_CANCEL, RESPONSES_RESPONSE,
@@ -322,6 +328,32 @@ def serving_objects(client: Any, config: Any, renderer: Any, *, served_model: st
                            messages_error=messages_error, completion=completion, responses=responses,
                            scoring=scoring, decisions=decisions_state.serving_structured_decisions,
                            tokenization=tokenization)
+
+
+def add_server_middleware(app: Any, args: Any) -> None:
+    """What vllm serve's middleware set-up (init_entrypoints_middleware) adds for its flags, minus what the
+    gateway does its own way (API keys: gateway/tenants.py; elastic-EP scaling: not served): CORS with its
+    `--allowed-origins`/`--allow-credentials`/`--allowed-methods`/`--allowed-headers` (as vllm serve, always),
+    vLLM's X-Request-Id middleware with `--enable-request-id-headers`, and each `--middleware` import path
+    (an ASGI class, or an HTTP middleware coroutine function), added in vLLM's order."""
+    import importlib
+    import inspect
+
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
+    if args.enable_request_id_headers:
+        app.add_middleware(X_REQUEST_ID_MIDDLEWARE.resolve())
+    for path in args.middleware:
+        module, name = path.rsplit(".", 1)
+        found = getattr(importlib.import_module(module), name)
+        if inspect.isclass(found):
+            app.add_middleware(found)
+        elif inspect.iscoroutinefunction(found):
+            app.middleware("http")(found)
+        else:
+            raise ValueError(f"--middleware {path}: must be a class or a coroutine function")
 
 
 def engine_client_class(cls: type, name: str, refuse: Any) -> type:

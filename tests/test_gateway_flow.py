@@ -485,3 +485,20 @@ def test_requests_are_checked_against_the_engines_vllm_arguments(redis_url, key_
         with pytest.raises(openai.BadRequestError) as ei:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=31)
         assert "max allowed: 30" in ei.value.message
+
+
+def test_cors_and_request_id_headers_as_vllm_serve_adds_them(redis_url, key_prefix):
+    """`--allowed-origins`, `--enable-request-id-headers`: vLLM's own CORS set-up and X-Request-Id middleware
+    on the gateway, as vllm serve adds them (the client's id echoed, else a new one); without the flags the
+    gateway answers a browser's preflight without allowing the origin, as vllm serve does."""
+    args = ("--allowed-origins", '["https://app.example"]', "--enable-request-id-headers")
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    with GatewayThread(make_cfg(redis_url, key_prefix, vllm_args=args), None, MODEL, MAX_MODEL_LEN) as gw:
+        got = httpx.options(gw.url + "/v1/chat/completions", headers=preflight)
+        assert got.headers["access-control-allow-origin"] == "https://app.example"
+        assert httpx.get(gw.url + "/v1/models", headers={"X-Request-Id": "mine"}).headers["x-request-id"] == "mine"
+        assert len(httpx.get(gw.url + "/v1/models").headers["x-request-id"]) == 32  # uuid4 hex
+    with GatewayThread(make_cfg(redis_url, key_prefix), None, MODEL, MAX_MODEL_LEN) as gw:
+        got = httpx.options(gw.url + "/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in got.headers
+        assert "x-request-id" not in httpx.get(gw.url + "/v1/models").headers

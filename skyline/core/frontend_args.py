@@ -20,10 +20,11 @@ from typing import Any
 OWN = frozenset({"chat_template", "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "host", "port",
                  "api_key"})
 
-# vllm serve's HTTP-server options the gateway applies (gateway/server.py); accepted as what the gateway does
-# anyway: no access log, no /docs.
+# vllm serve's HTTP-server options the gateway applies (gateway/server.py, and its middleware:
+# vllm_serving_internals.add_server_middleware); accepted as what the gateway does anyway: no access log, no /docs.
 SERVER = frozenset({"root_path", "uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints",
-                    "disable_fastapi_docs"})
+                    "disable_fastapi_docs", "allowed_origins", "allow_credentials", "allowed_methods",
+                    "allowed_headers", "enable_request_id_headers", "middleware"})
 _PROXY = "terminate it in a proxy in front of the gateway (docs/operations.md)"
 
 # Given, these are refused with the reason, not accepted and ignored.
@@ -44,10 +45,6 @@ REFUSED = {
     "ssl_keyfile": f"the gateway serves plain HTTP: {_PROXY}", "ssl_certfile": f"the gateway serves plain HTTP: {_PROXY}",
     "ssl_ca_certs": f"the gateway serves plain HTTP: {_PROXY}", "ssl_cert_reqs": f"the gateway serves plain HTTP: {_PROXY}",
     "ssl_ciphers": f"the gateway serves plain HTTP: {_PROXY}", "enable_ssl_refresh": f"the gateway serves plain HTTP: {_PROXY}",
-    "allow_credentials": f"the gateway sets no CORS headers: {_PROXY}", "allowed_origins": f"the gateway sets no CORS headers: {_PROXY}",
-    "allowed_methods": f"the gateway sets no CORS headers: {_PROXY}", "allowed_headers": f"the gateway sets no CORS headers: {_PROXY}",
-    "middleware": "the gateway loads no ASGI middleware by import path",
-    "enable_request_id_headers": "the gateway does not add X-Request-Id to responses (its `skyline` object names the request)",
     "h11_max_incomplete_event_size": "the gateway's HTTP parser is httptools; its bound is [gateway] max_header_bytes",
     "h11_max_header_count": "the gateway's HTTP parser is httptools; its bound is [gateway] max_header_bytes",
     "enable_offline_docs": "the gateway serves no /docs",
