@@ -67,10 +67,16 @@ ENGINE_OWNER_PID = EnvVar("SKYLINE_ENGINE_OWNER_PID", "",
 SIM_NATIVE = EnvVar("SKYLINE_SIM_NATIVE", "",
                     "the compiled build of the simulator's modules to load (skyline/tools/simulate/native.py)",
                     "skyline simulate (set when it starts itself again with the build)")
+VLLM_SUITE_TARGET = EnvVar("SKYLINE_VLLM_SUITE_TARGET", "vllm",
+                           "the server vLLM's own tests run against: vllm, disagg or colocated (tests/vllm_suite)",
+                           "vLLM's own tests (set by tests/vllm_suite/run.py)")
+VLLM_SUITE_MODEL = EnvVar("SKYLINE_VLLM_SUITE_MODEL", "", "the model folder every hub id of vLLM's own tests is served as",
+                          "vLLM's own tests (set by tests/vllm_suite/run.py)")
 TEST_ARTIFACTS = EnvVar("SKYLINE_TEST_ARTIFACTS", "", "folder where tests keep screenshots and reports", "tests")
 
 ENVS = _register(CONFIG, REDIS_URL, REDIS_PASSWORD, API_KEYS, VLLM_API_KEY, OPERATOR_API_KEYS, ADVERTISE_HOST, LOG_LEVEL, HOME, REDIS_SERVER,
-                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, SIM_NATIVE, TEST_ARTIFACTS)
+                 NIXL_PROGRESS_DELAY_US, SHM_POLL_PAUSE_US, NIXL_KEEP_CORES, ENGINE_OWNER_PID, SIM_NATIVE, VLLM_SUITE_TARGET,
+                 VLLM_SUITE_MODEL, TEST_ARTIFACTS)
 
 
 def skyline_home() -> Path:

@@ -113,7 +113,9 @@ def link_models(root: Path, modules: list[str], model_dir: str) -> None:
 def run_target(root: Path, target: str, tests: list[str], out: Path, model_dir: str) -> dict[str, tuple[str, str]]:
     """{test id: (outcome, first error line)} of `tests` (pytest paths or node ids) against `target`."""
     xml = out / f"{target}.xml"
-    env = dict(os.environ, SKYLINE_VLLM_SUITE_TARGET=target, SKYLINE_VLLM_SUITE_MODEL=model_dir,
+    from skyline.core import envs
+
+    env = dict(os.environ, **{envs.VLLM_SUITE_TARGET.name: target, envs.VLLM_SUITE_MODEL.name: model_dir},
                PYTHONPATH=str(HERE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with open(out / f"{target}.log", "wb") as log:
         subprocess.run([sys.executable, "-m", "pytest", "-p", "skyline_vllm_suite", "-p", "no:cacheprovider", "-q",

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import pytest
 
-TARGET_ENV = "SKYLINE_VLLM_SUITE_TARGET"
-MODEL_ENV = "SKYLINE_VLLM_SUITE_MODEL"  # the default model's folder (run.py resolves it once)
+from skyline.core import envs
+
+TARGET_ENV = envs.VLLM_SUITE_TARGET.name
+MODEL_ENV = envs.VLLM_SUITE_MODEL.name  # the default model's folder (run.py resolves it once)
 TARGETS = ("vllm", "disagg", "colocated")
 # What every server gets on this machine, as the differential tier's reference gets it: float32 (bfloat16
 # gave garbage with the default model on CPU) and a small KV cache (two cores, shared with the tests).
@@ -37,7 +39,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def target() -> str:
-    value = os.environ.get(TARGET_ENV, "vllm")
+    value = envs.VLLM_SUITE_TARGET.get()
     if value not in TARGETS:
         raise pytest.UsageError(f"{TARGET_ENV}={value!r}: expected one of {', '.join(TARGETS)}")
     return value
@@ -110,7 +112,7 @@ def _wait_workers(url: str, proc: subprocess.Popen, want: dict[str, int], timeou
 
 def pytest_configure(config: pytest.Config) -> None:
     chosen = target()
-    model_dir = os.environ[MODEL_ENV]
+    model_dir = envs.VLLM_SUITE_MODEL.get()
     from tests import utils  # vLLM's tests/utils.py (the rootdir is the unpacked source release)
 
     server_cls = utils.RemoteOpenAIServer
@@ -157,4 +159,4 @@ _TARGET = pytest.StashKey[str]()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"skyline vLLM suite: target {config.stash.get(_TARGET, '?')}, model {os.environ.get(MODEL_ENV)}"
+    return f"skyline vLLM suite: target {config.stash.get(_TARGET, '?')}, model {envs.VLLM_SUITE_MODEL.get()}"
