@@ -56,14 +56,14 @@ RESTART_WINDOW_S = 600.0
 
 
 def _openai_surface_args(cfg: SkylineConfig) -> list[str]:
-    """The gateway's vLLM serving-layer settings as its flags (vllm serve's names)."""
+    """The gateway's tool/reasoning/chat-template settings as its flags (vllm serve's names)."""
     g = cfg.gateway
     out = ["--enable-auto-tool-choice"] if g.enable_auto_tool_choice else []
     for flag, value in (("--tool-call-parser", g.tool_call_parser), ("--reasoning-parser", g.reasoning_parser),
                         ("--chat-template", g.chat_template)):
         if value:
             out += [flag, value]
-    return [*out, *g.vllm_args]  # the rest of vllm serve's serving-layer flags (skyline/core/frontend_args.py)
+    return out
 
 
 @dataclass(frozen=True)
@@ -413,9 +413,11 @@ def up(cfg: SkylineConfig, args: argparse.Namespace) -> int:
         seen = Seen()  # the warnings already shown, fleet-wide
         spawn = lambda name, role, argv: _spawn(name, role, argv, env, children, logs,  # noqa: E731
                                                 console, fleet_up, verbose, seen)
-        # The gateway gets every engine's vLLM arguments too: it checks requests as those engines would.
+        # The gateway gets the command line's vLLM arguments: its serving-layer ones (the config file's
+        # [gateway] vllm_args it reads itself: passed here too, an appending flag such as --middleware would
+        # count twice) and every engine's, so that it checks requests as those engines would.
         gw = ["gateway", *common, *_model_args(cfg), "--host", args.host, "--port", str(args.port), "--mode", cfg.gateway.mode,
-              *_openai_surface_args(cfg), *cfg.engine.vllm.argv]
+              *_openai_surface_args(cfg), *getattr(args, "frontend_argv", ()), *cfg.engine.vllm.argv]
         t0 = time.monotonic()
         spawn("gateway", "gateway", gw)
         plan = plan_workers(cfg, args.prefill, args.decode, args.metrics_port_base, args.elastic)
