@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 from skyline.core.net import free_port
+from skyline.tools.bench.simfleet import wait_for_workers
 
 
 class RestartableRedis:
@@ -117,19 +117,13 @@ class Fleet:
             return resp.read().decode()
 
     def wait_ready(self, want: dict[str, int], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def alive() -> None:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.logs(name)}")
-            try:
-                workers = self.health().get("workers", {})
-                if all(workers.get(role, 0) >= n for role, n in want.items()):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"fleet not ready in {timeout_s}s:\n" + "\n".join(self.logs(n) for n in self.procs))
+
+        if not wait_for_workers(self.url, want, timeout_s, alive):
+            raise TimeoutError(f"fleet not ready in {timeout_s}s:\n" + "\n".join(self.logs(n) for n in self.procs))
 
     def logs(self, name: str, tail: int = 4000) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace")

@@ -22,12 +22,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from skyline.core import envs
+from skyline.tools.bench.simfleet import wait_for_workers
 
 TARGET_ENV = envs.VLLM_SUITE_TARGET.name
 MODEL_ENV = envs.VLLM_SUITE_MODEL.name  # the default model's folder (run.py resolves it once)
@@ -92,24 +92,6 @@ def _skyline_up(model: str, args: list[str], env: dict[str, str], route: str, po
                             start_new_session=True)
 
 
-def _wait_workers(url: str, proc: subprocess.Popen, want: dict[str, int], timeout_s: float = 600) -> None:
-    """Until the gateway reports the fleet's workers (its /health answers before they are up)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"skyline up exited with {proc.returncode} during start-up")
-        try:
-            workers = httpx.get(f"{url}/health", timeout=2).json().get("workers", {})
-            if all(workers.get(role, 0) >= n for role, n in want.items()):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the Skyline fleet at {url} was not ready in {timeout_s:.0f} s")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     chosen = target()
     model_dir = envs.VLLM_SUITE_MODEL.get()
@@ -135,7 +117,12 @@ def pytest_configure(config: pytest.Config) -> None:
             return
         self.proc = _skyline_up(model, vllm_serve_args, env, chosen, self.port)
         want = {"prefill": 1, "decode": 1} if chosen == "disagg" else {"decode": 1}
-        _wait_workers(f"http://{self.host}:{self.port}", self.proc, want)
+        def alive() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"skyline up exited with {self.proc.returncode} during start-up")
+
+        if not wait_for_workers(f"http://{self.host}:{self.port}", want, 600, alive):
+            raise TimeoutError(f"the Skyline fleet on port {self.port} was not ready in 600 s")
 
     def _terminate_process_tree(self) -> None:
         proc = self.proc

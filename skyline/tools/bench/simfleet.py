@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,24 @@ import httpx
 from skyline.tools.redis_server import start_redis
 
 from skyline.core.net import free_port
+
+
+def wait_for_workers(url: str, want: dict[str, int], timeout_s: float,
+                     alive: Callable[[], None] = lambda: None) -> bool:
+    """Whether the gateway at `url` reports at least `want` live workers of each role ({role: n}, its
+    /health, which answers before they are up) within `timeout_s`. `alive` runs before each probe and raises
+    when a process the caller started has died (a fleet that cannot come up says so at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive()
+        try:
+            live = httpx.get(f"{url}/health", timeout=2).json().get("workers", {})
+            if all(live.get(role, 0) >= n for role, n in want.items()):
+                return True
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    return False
 
 
 class SimFleet:
@@ -71,16 +90,8 @@ class SimFleet:
         return [n for n in self.procs if n.startswith(f"{role}-")]
 
     def wait_ready(self, want: dict[str, int], timeout_s: float = 60.0) -> None:  # vLLM engines: pass ~600
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                live = httpx.get(f"{self.url}/health", timeout=1).json().get("workers", {})
-                if all(live.get(role, 0) >= n for role, n in want.items()):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"sim fleet not ready in {timeout_s:g} s; logs in {self.workdir}")
+        if not wait_for_workers(self.url, want, timeout_s):
+            raise TimeoutError(f"sim fleet not ready in {timeout_s:g} s; logs in {self.workdir}")
 
     def start(self, n_prefill: int, n_decode: int, worker_args: tuple[str, ...] = ()) -> None:
         self.start_redis()
