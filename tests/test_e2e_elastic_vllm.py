@@ -24,8 +24,13 @@ SHORT = {True: "What is the capital of France?", False: "The three laws of therm
 @pytest.fixture(scope="module")
 def fleet(redis_url, tmp_path_factory):
     # The default gateway routing: prompts under 256 tokens take the decode streams, longer ones the prefill streams.
-    f = Fleet(redis_url, "e2e-elastic", "vllm", tmp_path_factory.mktemp("elastic-logs"), ["--model", "default"],
-              gateway_args=())
+    # The phase mix off (scheduler/elastic.py `long_engines`): with it, the engine that keeps the long prompts
+    # hands every decode to the other, one direction only; this test wants both (tests/test_elastic_workers.py
+    # has the phase mix's own).
+    logs = tmp_path_factory.mktemp("elastic-logs")
+    config = logs / "skyline.toml"
+    config.write_text("[worker]\nphase_mix = false\n")
+    f = Fleet(redis_url, "e2e-elastic", "vllm", logs, ["--model", "default", "--config", str(config)], gateway_args=())
     cores = sorted(os.sched_getaffinity(0))
     # 1024-token steps: a decode is handed only to a peer whose next step has room beside its own prompts
     # (`elastic.has_room`, on the peer's newest heartbeat), and with the default 256-token step a peer

@@ -355,7 +355,7 @@ async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_on
     disaggregated split, found by the engines. Before, the idle engine took the next long prompt at once, so that both engines ended up
     computing long prompts beside chats' streams."""
     cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"),
-                                                long_prompt_memory_s=LONG_PROMPT_MEMORY_S)
+                                                long_prompt_memory_s=LONG_PROMPT_MEMORY_S, phase_mix=False)
     keys = Keys(key_prefix)
 
     def long_request(rid: str) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute
@@ -399,5 +399,53 @@ async def test_long_prompts_gather_on_the_engine_that_computes_them_and_short_on
                                  timeout_s=30)
         assert computed_on(chat) == other.worker_id
         assert computed_on(await third) == holder.worker_id
+    finally:
+        await stop_fleet(client, rts, tasks)
+
+
+async def test_the_phase_mix_keeps_long_prompts_on_one_engine_and_their_streams_on_the_other(redis_url, key_prefix):
+    """With long and short prompts in the load, the fleet's phase mix (scheduler/elastic.py `long_engines`)
+    picks the engine that computed the long prompt to keep them: it hands every decode on to the other
+    engine, and a chat sent while it computes a long prompt goes to the other engine."""
+    cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"))
+    keys = Keys(key_prefix)
+
+    def long_request(rid: str) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute
+        t = now_ms()
+        return m.GenerateRequest(rid, "skyline-sim", list(range(1, 1501)), m.SamplingSpec(max_tokens=4),
+                                 "interactive", t, t + 60_000, 60_000, 250, route="disagg")
+
+    def final(frames) -> m.Finished:
+        assert isinstance(frames[-1], m.Finished), frames[-1]
+        return frames[-1]
+
+    try:
+        await wait_registered(client, key_prefix, 2)
+        assert all(rt.phase_mix for rt in rts)
+        # One kind of prompt only: no split.
+        await run_request(client, keys, gen_request("chat-0", list(range(1, 30)), 4, route="colocated"), timeout_s=30)
+        first = final(await run_request(client, keys, long_request("long-0"), timeout_s=30))
+        holder_id = first.prefill_worker or first.decode_worker
+        for _ in range(300):  # until both have seen both kinds in each other's heartbeats
+            if all(rt.long_set == {holder_id} for rt in rts):
+                break
+            await asyncio.sleep(0.02)
+        assert all(rt.long_set == {holder_id} for rt in rts), [rt.long_set for rt in rts]
+        holder = next(rt for rt in rts if rt.worker_id == holder_id)
+        other = next(rt for rt in rts if rt is not holder)
+        second = asyncio.create_task(run_request(client, keys, long_request("long-1"), timeout_s=30))
+        for _ in range(300):
+            if "long-1" in {h.request_id for h in holder.held}:
+                break
+            await asyncio.sleep(0.02)
+        assert "long-1" in {h.request_id for h in holder.held}
+        chat = final(await run_request(client, keys, gen_request("chat-1", list(range(1, 30)), 4,
+                                                                  route="colocated"), timeout_s=30))
+        assert chat.decode_worker == other.worker_id and not chat.prefill_worker
+        done = final(await second)
+        assert (done.prefill_worker, done.decode_worker) == (holder.worker_id, other.worker_id)
+        placed = [e for e in await read_timeline(client, keys, "long-1") if e.event == "decode_placed"]
+        assert placed and placed[0].fields["why"] == "long_prompts_here", placed
+        assert done.kv_transfer["decode_placed"] == "long_prompts_here", done.kv_transfer
     finally:
         await stop_fleet(client, rts, tasks)

@@ -81,7 +81,8 @@ def test_every_request_is_served_exactly_once_and_every_engine_takes_both_phases
     assert all(r.output_tokens == r.max_tokens for r in reqs)
     # Both placements happened: decodes handed to a peer (its KV pulled there) and prompts served whole.
     handed = [r for r in reqs if r.prefilled_by]
-    assert handed and sim.counters["peer_decodes_fewer"] + sim.counters.get("prompts_queued", 0) == len(handed)
+    assert handed and sum(sim.counters.get(why, 0) for why in ("peer_decodes_fewer", "prompts_queued",
+                                                                "long_prompts_here")) == len(handed)
     assert sim.counters["fewest_streams_here"] + sim.counters.get("no_peer_with_room", 0) > 0
     assert {r.route for r in reqs} == {"disagg", "colocated"}  # long prompts to the prefill stage, short ones not
     # Every engine computed prompts and decoded streams.

@@ -120,8 +120,9 @@ async def test_a_claim_due_by_a_time_takes_only_a_head_that_must_start_by_then(r
 
 
 async def test_an_elastic_worker_leaves_heads_to_its_peers_only_until_they_must_start(r, key_prefix):
-    # `leave` (scheduler/claiming.py leaves_until_due) passes over a head that may still wait, whatever its
-    # order, and takes the next; a head past its latest start is claimed whatever `leave` says.
+    # `leave` (scheduler/claiming.py leaves_until_due) passes over a head it leaves, whatever its order, and
+    # takes the next; it is told whether the head's latest start has come (it then claims it but for one
+    # case: a long engine computing a long prompt leaves a short prompt even then).
     keys = Keys(key_prefix)
     for stage in ("prefill", "decode"):
         await ensure_groups(r, keys, TIERS, stage)
@@ -132,14 +133,19 @@ async def test_an_elastic_worker_leaves_heads_to_its_peers_only_until_they_must_
     q = StageQueues({s: TierQueues(r, keys, s, DEFAULT_TIERS, "w") for s in ("prefill", "decode")})
     left: list[tuple[str, str]] = []
 
-    def leave_chats(stage: str, head, start_by_ms: int) -> bool:
-        assert start_by_ms > now_ms()  # asked with the head's latest start, only while it is ahead
-        left.append((stage, head.request_id))
-        return stage == "decode"
+    def leave_chats(stage: str, head, start_by_ms: int, due: bool) -> bool:
+        assert due == (start_by_ms <= now_ms())  # asked with the head's latest start and whether it has come
+        left.append((stage, head.request_id, due))
+        return stage == "decode" and not due
 
     assert await _order(q, tokens_per_s=300.0, leave=leave_chats) == ["late", "rag"]
-    assert ("decode", "chat") in left and ("decode", "late") not in left  # a late head is not asked about
+    assert ("decode", "chat", False) in left and ("decode", "late", True) in left
     assert await _order(q, tokens_per_s=300.0) == ["chat"]
+
+    # A head left even once due stays where it is.
+    await enqueue(r, keys, "decode", sized("late-2", "batch", t - 1, 150), 1000)
+    assert await _order(q, tokens_per_s=300.0, leave=lambda stage, head, start_by_ms, due: True) == []
+    assert await _order(q, tokens_per_s=300.0) == ["late-2"]
 
 
 async def test_work_returned_to_the_queue_comes_back_before_what_arrived_after_it(r, key_prefix):

@@ -46,7 +46,7 @@ from skyline.scheduler.claiming import (NO_PEERS, RECHECK_S, ClaimRoom, ClaimShi
                                         tokens_left)
 from skyline.scheduler.decode_room import TokenPaceMeter, pace_allows, tightest_target_ms
 from skyline.scheduler.edf import pick_tier
-from skyline.scheduler.elastic import decoder_for, has_room
+from skyline.scheduler.elastic import MixWindow, decoder_for, handoff_step_tokens, has_room, long_engines
 from skyline.scheduler.preemption import PreemptionPolicy, Waiting, victims
 from skyline.scheduler.throughput import ThroughputMeter, rate_or_prior
 from skyline.workers import observe
@@ -91,10 +91,13 @@ class WorkerRuntime:
         # A decode claim takes the entry and its request's run in one round trip (workers/runs.py).
         self.take = functools.partial(self.runs.take, worker_id=self.worker_id) if "decode" in self.stages else None
         self.elastic = len(self.stages) > 1  # takes either phase: decides per prompt where it decodes
-        # Long prompts gather on engines (scheduler/claiming.py `leaves_until_due`): off unless configured,
-        # and then only where both stages are consumed.
-        self.gathers_long = self.elastic and cfg.worker.long_prompt_memory_s > 0
+        # Long prompts gather on engines (scheduler/claiming.py `leaves_until_due`): the fleet's phase mix
+        # (scheduler/elastic.py `long_engines`), else the memory form where configured; elastic workers only.
+        self.phase_mix = self.elastic and cfg.worker.phase_mix
+        self.gathers_long = self.elastic and (self.phase_mix or cfg.worker.long_prompt_memory_s > 0)
         self.last_long_s: float | None = None  # when its engine last computed a long prompt (`_computes_long`)
+        self.mix = MixWindow()  # the prompt tokens it claimed lately, long and short (its heartbeat's)
+        self.long_set: frozenset[str] = frozenset()  # the engines that keep the long prompts (`see_peers`)
         self.peers: list[WorkerInfo] = []  # the live workers, as of the last heartbeat (elastic placement)
         self.freest: FreestPeers = NO_PEERS  # the peers that free their engines first, of `peers` (claim defer)
         self._announcing: set[asyncio.Task] = set()  # heartbeats between beats (`_announce`)
@@ -258,6 +261,8 @@ class WorkerRuntime:
         self.peers = peers
         wc = self.cfg.worker
         self.freest = freest_peers(peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
+        if self.phase_mix:
+            self.long_set = long_engines(peers)
 
     def _pace_ok(self) -> bool:
         """The pace rule's verdict for the streams this worker decodes (scheduler/decode_room.py)."""
@@ -444,22 +449,27 @@ class WorkerRuntime:
                 await self._preempt_for(held.request.tier, held.request.deadline_ms, held.prompt_tokens)
             self._start(held, room)
 
-    def _leaves(self, stage: str, head: Head, start_by_ms: int) -> bool:
-        """Does this elastic worker leave `head` of `stage` (latest start `start_by_ms`) to its peers until
-        it must start (scheduler/claiming.py `leaves_until_due`): a short prompt while long prompts gather
-        on its engine and not on a peer's free by then that holds fewer requests, a long prompt while they
-        gather on a peer's free by then and not here? Asked at each look at the heads, a claim that blocks for an entry included: the state it
-        weighs may change meanwhile."""
+    def _leaves(self, stage: str, head: Head, start_by_ms: int, due: bool) -> bool:
+        """Does this elastic worker leave `head` of `stage` (latest start `start_by_ms`; `due`: that time has
+        come) to its peers (scheduler/claiming.py `leaves_until_due`): a short prompt while long prompts
+        gather on its engine, to a peer where they do not, free by then; a long prompt while they gather
+        on a peer's free by then and not here? Asked at each look at the heads, a claim that blocks for
+        an entry included: the state it weighs may change meanwhile."""
         if not head.prefill_tokens:
             return False  # (a KV hand-off: nothing to weigh)
         me, peers = self.worker_id, self.freest
         return leaves_until_due(stage, head.prefill_tokens, start_by_ms / 1000, long_here=self._computes_long(),
                                 held_here=len(self.held),
                                 free_at_with_long=peers.free_at_with_long(me, "prefill"),
-                                without_long=peers.least_held_without_long(me, "decode"))
+                                without_long=peers.least_held_without_long(me, "decode"), due=due,
+                                split=self.phase_mix, idle_here=not self.held)
 
     def _computes_long(self) -> bool:
-        """Do long prompts (the prefill stage's) gather on this engine (scheduler/claiming.py `computes_long`)?"""
+        """Do long prompts (the prefill stage's) gather on this engine: is it one of the fleet's phase mix's
+        long engines (scheduler/elastic.py `long_engines`), or, with that off, one that computed a long
+        prompt lately (scheduler/claiming.py `computes_long`)?"""
+        if self.phase_mix:
+            return self.worker_id in self.long_set
         if not self.gathers_long:
             return False
         now = time.monotonic()
@@ -481,7 +491,8 @@ class WorkerRuntime:
                                 self.cfg.worker.prefill_token_budget, spread=held.request_id,
                                 step_tokens=self.cfg.engine.max_num_batched_tokens,
                                 prompt_tokens=held.prompt_tokens,
-                                min_move_tokens=self.cfg.gateway.min_remote_prefill_tokens)
+                                min_move_tokens=self.cfg.gateway.min_remote_prefill_tokens,
+                                long_here=self.long_set)
         held.serve_as, held.decode_on = ("prefill", peer) if peer else ("decode", None)
         held.decode_placed = why
         self.timeline.emit(held.request_id, "decode_placed", on=peer or self.worker_id, why=why, streams_here=streams)
@@ -508,6 +519,8 @@ class WorkerRuntime:
         observe.claimed(self, held.stage, held.request, held.claimed.entry_id)
         if self.elastic and held.stage == "prefill":
             self._place_decode(held)
+        if self.phase_mix and held.computing:
+            self.mix.add(time.monotonic(), held.prompt_tokens, long=held.stage == "prefill")
         self.hold(held, asyncio.create_task(self._serve(held, room), name=f"{self.role}:{held.request_id}"))
         if held.computing and self.reads_peers:
             # Its peers place hand-offs and defer claims on this worker's heartbeat: a prompt it starts
@@ -527,7 +540,8 @@ class WorkerRuntime:
         except (RedisConnectionError, RedisTimeoutError, OSError):
             return  # the hand-off's own Redis calls meet the same outage
         if peer is None or not has_room(peer, self.cfg.worker.prefill_token_budget,
-                                        self.cfg.engine.max_num_batched_tokens):
+                                        handoff_step_tokens(held.decode_placed,
+                                                            self.cfg.engine.max_num_batched_tokens)):
             held.serve_as, held.decode_on, held.decode_placed = "decode", None, "peer_busy_now"
             self.timeline.emit(held.request_id, "decode_placed", on=self.worker_id, why="peer_busy_now",
                                streams_here=self._streams())
@@ -639,6 +653,7 @@ class WorkerRuntime:
         self.info.running_tokens = self.rules.running_tokens(self.held)
         self.info.left_tokens = self._left_tokens(self.tokens_per_s()) if self.held.computing_prompts() else 0
         self.info.computes_long = int(self._computes_long())
+        self.info.long_tokens, self.info.short_tokens = self.mix.totals(time.monotonic())
         # Prefill workers measure every prompt; decode workers the prompts they compute
         # themselves (colocated routes), which admission control uses for those routes.
         self.info.tokens_per_s = self.meter.tokens_per_s(now_ms()) or 0.0

@@ -178,8 +178,12 @@ class WorkerConfig:
     # elastic: for how long after its last long prompt an engine stays the one long prompts gather on and
     # short prompts keep off (scheduler/claiming.py `leaves_until_due`; 15 = what the mixed benchmark ran
     # with); 0 = off, the default: simulated at 512 GPUs (the DistServe check) it costs 9% of the goodput
-    # (docs/scheduling.md "The split, found under load").
+    # (docs/scheduling.md "The split, found under load"). Read only with `phase_mix` off.
     long_prompt_memory_s: float = 0.0
+    # elastic: where the fleet's load mixes long prompts with short ones, some engines keep the long
+    # prompts and the others the short ones and the streams, as many of each as the load's mix says
+    # (scheduler/elastic.py `long_engines`); false = every engine takes either, prompt by prompt.
+    phase_mix: bool = True
     kv_watermark: float = 0.9  # decode: claim new work only while KV cache usage is below this
     # decode: claim new work only while the streams' recent time per token is under this fraction
     # of the tightest TPOT target among them (scheduler/decode_room.py); 0 = no such limit

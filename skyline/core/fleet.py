@@ -27,6 +27,10 @@ class WorkerInfo:
     tokens_per_s: float = 0.0  # measured prefill throughput (0 = not measured yet)
     left_tokens: int = 0  # of its prompts' tokens, those its engine had left to compute at last_seen
     computes_long: int = 0  # elastic: 1 while long prompts gather on it (scheduler/claiming.py computes_long)
+    # elastic: prompt tokens it claimed in the last elastic.MIX_WINDOW_S, of long prompts (the prefill
+    # streams') and of short ones (the colocated route's): the fleet's phase mix (scheduler/elastic.py)
+    long_tokens: int = 0
+    short_tokens: int = 0
     address: str = ""  # where other hosts reach this worker (worker.advertise_host)
     metrics_port: int = 0  # its HTTP endpoint: /metrics, /ready, /health (0 = none)
     nixl_port: int = 0  # its engine's NIXL side channel (0 = no KV transfer)
@@ -104,6 +108,7 @@ def _info_of(raw: dict) -> WorkerInfo:
         kv_usage=float(d["kv_usage"]), started=float(d["started"]), last_seen=float(d["last_seen"]),
         running_tokens=int(d.get("running_tokens", 0)), tokens_per_s=float(d.get("tokens_per_s", 0.0)),
         left_tokens=int(d.get("left_tokens", d.get("running_tokens", 0))), computes_long=int(d.get("computes_long", 0)),
+        long_tokens=int(d.get("long_tokens", 0)), short_tokens=int(d.get("short_tokens", 0)),
         address=d.get("address", ""), metrics_port=int(d.get("metrics_port", 0)),
         nixl_port=int(d.get("nixl_port", 0)), max_running=int(d.get("max_running", 0)),
         cache_block_size=int(d.get("cache_block_size", 0)), kv_watermark=float(d.get("kv_watermark", 0.0)),

@@ -22,7 +22,7 @@ from skyline.scheduler.elastic import STAGE_ORDER, stage_due_first
 
 # (stage, head, its latest start in ms) -> does the claimer leave that head to its peers until it must
 # start (elastic workers)?
-Leave = Callable[[str, Head, int], bool]
+Leave = Callable[[str, Head, int, bool], bool]  # (stage, head, its latest start, due now)
 
 
 def stage_of_message(msg: messages.Message) -> str:
@@ -69,8 +69,8 @@ class StageQueues:
         """The head to claim: earliest latest start first over every stage (`start_by_ms` at the claimer's
         `tokens_per_s`, 0: by deadline; the tiers' EDF, `pick_tier`, within each stage), the decode stage
         first among equals (`stage_due_first`); among `tiers` only, if given; with `due_by_ms`, only if it
-        must start by then; a head `leave(stage, head, its latest start)` leaves to peers (`claiming.leaves_until_due`) only
-        once it must start now."""
+        must start by then; a head `leave(stage, head, its latest start, whether it must start now)` leaves to peers
+        (`claiming.leaves_until_due`)."""
         now = now_ms() if leave is not None else 0
         self.left_heads = False
         first: dict[str, tuple[int, Head]] = {}  # stage -> (key, its head due first)
@@ -78,7 +78,7 @@ class StageQueues:
             if tiers is not None and head.tier not in tiers:
                 continue
             key = start_by_ms(head.deadline_ms, head.prefill_tokens, tokens_per_s)
-            if leave is not None and not paced_claim_due(key, now) and leave(stage, head, key):
+            if leave is not None and leave(stage, head, key, paced_claim_due(key, now)):
                 self.left_heads = True
                 continue
             seen = first.get(stage)

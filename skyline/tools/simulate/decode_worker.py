@@ -363,7 +363,7 @@ class DecodeWorker:
         self._align(self.loop.now)
         self._join(req)
         self._reschedule()
-        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+        if self.may_find_work():  # (else claim_while_room has nothing to do)
             self.claim_while_room()  # members that finished at the boundary made room
 
     # -- closed-form batch ---------------------------------------------------------------
@@ -456,6 +456,11 @@ class DecodeWorker:
         if not produced:
             self.pending_first.append(m)
 
+    def may_find_work(self) -> bool:
+        """Might a look at the queues now find something to claim (else it waits in the ready queue, where
+        an arrival wakes it)?"""
+        return bool(self.sim.decode_q.size) or not self.in_ready
+
     def busy(self) -> bool:
         return self.stepping or self.B > 0
 
@@ -507,7 +512,7 @@ class DecodeWorker:
             return
         self._advance(self.ends[0][0] - self.k)
         self._reschedule()
-        if self.sim.decode_q.size or not self.in_ready:  # (else claim_while_room has nothing to do)
+        if self.may_find_work():  # (else claim_while_room has nothing to do)
             self.claim_while_room()
 
     # -- stepped mode: steps that prefill -------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from skyline.scheduler.claiming import computes_long, leaves_until_due, long_prompt_defer_s
-from skyline.scheduler.elastic import decoder_for, has_room, stage_due_first
+from skyline.scheduler.elastic import MixWindow, decoder_for, handoff_step_tokens, has_room, stage_due_first
 from skyline.tools.simulate.decode_worker import DecodeWorker
 from skyline.tools.simulate.preempt import measured_rate
 from skyline.tools.simulate.request import SimRequest
@@ -33,6 +33,12 @@ class ElasticWorker(DecodeWorker):
         super().__init__(sim, wid)
         self.name = f"elastic-{wid}"
         self.last_long_s: float | None = None  # when its engine last computed a long prompt (`computes_long`)
+        self.mix = MixWindow()  # the prompt tokens it claimed lately, long and short (its heartbeat's)
+
+    def may_find_work(self) -> bool:
+        """As a decode worker's, and a head of the prefill stage left to a peer (`leave_for`) may be its
+        to claim once its engine idles."""
+        return self.work_waiting() or not self.in_ready
 
     def work_waiting(self) -> bool:
         sim = self.sim
@@ -55,7 +61,9 @@ class ElasticWorker(DecodeWorker):
                 due = q.due_for(self.name, now_ms, max_rank, rate, skip)
                 if skip is not None:
                     head = q.due_for(self.name, now_ms, max_rank, rate)
-                    if head is not None and head != due:  # its head is left to peers: look again when due
+                    if head is not None and head != due and head > now_ms:
+                        # Its head is left to peers: look again when due. (One left past its latest start
+                        # waits for this engine's long prompt, whose end wakes it.)
                         self.wake_when_due(head)
                 if due is not None:
                     dues[stage] = due
@@ -71,25 +79,31 @@ class ElasticWorker(DecodeWorker):
         """The heads of `q` it leaves to its peers until they must start (`claiming.leaves_until_due`; live:
         `WorkerRuntime._leaves`): short prompts while long prompts gather on its engine and not on a peer's
         free by the head's latest start that holds fewer requests; long prompts while they gather on a
-        peer's free by then and not here. None: it leaves none (and always with
-        `[worker] long_prompt_memory_s` off)."""
+        peer's free by then and not here; with the phase mix (`[worker] phase_mix`), the other kind's prompts
+        to a peer of that kind with room, whenever they are due. None: it
+        leaves none (and always with both the phase mix and `[worker] long_prompt_memory_s` off)."""
         sim = self.sim
-        if sim.worker_cfg.long_prompt_memory_s <= 0:
+        split = sim.worker_cfg.phase_mix
+        if not split and sim.worker_cfg.long_prompt_memory_s <= 0:
             return None
         long_here = self.computes_long()
+        idle = self.B == 0 and not self.arriving and not self.joining and not self.local  # (its last step may still run)
         with_long = None if long_here else sim.freest.free_at_with_long(self.name, "prefill")
         without_long = sim.freest.least_held_without_long(self.name, "decode") if long_here else None
         if with_long is None and without_long is None:
             return None
         stage = "decode" if q is sim.decode_q else "prefill"
         held = self.B + self.arriving + len(self.local) + len(self.joining)  # as its heartbeat counts them
-        return lambda item, start_by_ms: leaves_until_due(
+        return lambda item, start_by_ms, due: leaves_until_due(
             stage, item[0].backlog_tokens if item[1] is None else 0, start_by_ms / 1000, long_here=long_here,
-            held_here=held, free_at_with_long=with_long, without_long=without_long)
+            held_here=held, free_at_with_long=with_long, without_long=without_long, due=due, split=split,
+            idle_here=idle)
 
     def computes_long(self) -> bool:
         """Do long prompts (the prefill stage's) gather on its engine (`claiming.computes_long`; live:
-        `WorkerRuntime._computes_long`)?"""
+        `WorkerRuntime._computes_long`)? With the phase mix: is it one of the fleet's long engines?"""
+        if self.sim.worker_cfg.phase_mix:
+            return self.name in self.sim.long_set
         if self.sim.worker_cfg.long_prompt_memory_s <= 0:
             return False
         now = self.loop.now
@@ -117,19 +131,21 @@ class ElasticWorker(DecodeWorker):
 
     def take(self, item: tuple, q: StageQueues, now: float) -> None:
         sim = self.sim
+        req: SimRequest = item[0]
+        if item[1] is None:  # a prompt to compute (live: `WorkerRuntime._start`)
+            self.mix.add(now, req.prompt_tokens, long=q is sim.prefill_q)
         if q is not sim.prefill_q:
             super().take(item, q, now)  # decode stage: a hand-off to pull, or a short prompt served whole
             return
-        req: SimRequest = item[0]
         # `_place_decode`: prompts are queued for the fleet when its prefill backlog (as of the heartbeat)
         # holds more than this worker's own prompts of that stage.
         mine = req.backlog_tokens + sum(h.req.backlog_tokens for h in self.local if h.queue is q)
         peer, why = decoder_for(self.name, self.streams(), sim.peers, sim.seen_prefill_backlog > mine,
                                 sim.worker_cfg.prefill_token_budget, spread=str(req.index),
                                 step_tokens=self.perf.max_step_tokens, prompt_tokens=req.prompt_tokens,
-                                min_move_tokens=sim.disagg.min_remote_prefill_tokens)
+                                min_move_tokens=sim.disagg.min_remote_prefill_tokens, long_here=sim.long_set)
         if peer is not None and not has_room(sim.beat_now(peer), sim.worker_cfg.prefill_token_budget,
-                                             self.perf.max_step_tokens):
+                                             handoff_step_tokens(why, self.perf.max_step_tokens)):
             peer, why = None, "peer_busy_now"  # live: `WorkerRuntime._confirm_decoder`, on the peer's newest beat
         sim.counters[why] = sim.counters.get(why, 0) + 1
         if peer is None:

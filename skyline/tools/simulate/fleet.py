@@ -54,7 +54,7 @@ from skyline.scheduler.admission import (
 )
 from skyline.scheduler.claiming import NO_PEERS, RECHECK_S, ClaimRoom, FreestPeers, freest_peers
 from skyline.scheduler.disagg import DisaggPolicy, route
-from skyline.scheduler.elastic import HANDOFF_HOLD_MS
+from skyline.scheduler.elastic import HANDOFF_HOLD_MS, long_engines
 from skyline.scheduler.preemption import PreemptionPolicy
 from skyline.scheduler.prefix import CacheMatch, PlacedInFlight, StageLoads, choose
 from skyline.scheduler.step_budget import background_tokens
@@ -190,12 +190,14 @@ class Simulation:
         # scheduler.claiming.freest_peers); and where a full worker looks for a head to preempt for.
         self.peers = [SimpleNamespace(worker_id=w.name, role=role, running=0, max_running=cfg.worker.max_running,
                                       kv_usage=0.0, kv_watermark=cfg.worker.kv_watermark if role != "prefill" else 0.0,
-                                      running_tokens=0, tokens_per_s=0.0, left_tokens=0, last_seen=0.0, computes_long=0)
+                                      running_tokens=0, tokens_per_s=0.0, left_tokens=0, last_seen=0.0, computes_long=0,
+                                      long_tokens=0, short_tokens=0)
                       for role, pool in (("prefill", self.prefill_workers), (decode_role, self.decode_workers))
                       for w in pool]
         self._decode_peers = self.peers[len(self.prefill_workers):]
         self._beat_by_name = {w.name: beat for w, beat in zip(self.decode_workers, self._decode_peers)}
         self.freest: FreestPeers = NO_PEERS
+        self.long_set: frozenset[str] = frozenset()  # the phase mix's long engines (scheduler/elastic.py)
         self._preempt_pools: tuple = (((BothStages(self.prefill_q, self.decode_q), self.decode_workers),)
                                       if self.elastic else
                                       ((self.prefill_q, self.prefill_workers), (self.decode_q, self.decode_workers)))
@@ -442,6 +444,8 @@ class Simulation:
         if self.defers:  # what each worker's claim defer reads until the next beat (live: `see_peers`)
             wc = self.worker_cfg
             self.freest = freest_peers(self.peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
+        if self.elastic and self.worker_cfg.phase_mix:  # live: `WorkerRuntime.see_peers`
+            self.long_set = long_engines(self.peers)
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
@@ -454,6 +458,8 @@ class Simulation:
         peer.tokens_per_s = w.rate_cache[1]
         peer.left_tokens = left_tokens(w, w.local, measured_rate(w)) if w.local else 0
         peer.computes_long = int(isinstance(w, ElasticWorker) and w.computes_long())
+        if isinstance(w, ElasticWorker):
+            peer.long_tokens, peer.short_tokens = w.mix.totals(self.loop.now)
         peer.last_seen = self.loop.now
         return peer
 

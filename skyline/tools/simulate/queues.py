@@ -32,7 +32,7 @@ from skyline.tools.simulate.request import SimRequest
 
 # (an entry, its latest start in ms) -> does the claimer leave it to its peers until it must start (live:
 # `stage_queues.Leave`)?
-Skip = Callable[[tuple, int], bool]
+Skip = Callable[[tuple, int, bool], bool]  # (entry, its latest start, due now)
 
 
 class StageQueues:
@@ -116,7 +116,7 @@ class StageQueues:
                 skip: Skip | None = None) -> tuple | None:
         """(lane, holder or None, latest start ms at prefill rate `rate`) of the EDF head among the entries
         worker `me` may claim (its own lanes, the shared streams, others' lanes past their bound), or None;
-        a tier's head that `skip` leaves to peers only once it must start (live: `StageQueues.pick`)."""
+        a tier's head that `skip` leaves to peers, told whether it must start now (live: `StageQueues.pick`)."""
         tiers = self.tier_order if max_rank is None else self.tier_order[: max_rank + 1]
         heads: dict[str, int] = {}
         chosen: dict[str, tuple] = {}
@@ -137,7 +137,7 @@ class StageQueues:
                         best, due, holder = lane, d, worker
             if best is not None:
                 key = start_key(best[0], due, rate)
-                if skip is not None and key > now_ms and skip(best[0], key):
+                if skip is not None and skip(best[0], key, key <= now_ms):
                     continue
                 heads[t], chosen[t] = key, (best, holder, key)
         if not heads:
