@@ -98,12 +98,14 @@ class MixWindow:
         return long_tokens, sum(t for _w, t, _l in self._claims) - long_tokens
 
 
-def long_engines(workers: Iterable[MixLoad]) -> frozenset[str]:
+def long_engines(workers: Iterable[MixLoad], current: frozenset[str] = frozenset()) -> frozenset[str]:
     """The elastic workers (of the live `workers`) whose engines keep the long prompts: as many as the
     long prompts' share of the prompt tokens the fleet claimed in the window, rounded down, at least one
     and at most half of them; none while either kind is missing or with fewer than two elastic workers. The
     ones that claimed the most long-prompt tokens, so the split stays where it is as long as the load
-    does (worker id among equals: every worker reading the same heartbeats finds the same engines)."""
+    does; among equals those in `current` (the split so far: a short engine that took one long prompt
+    while both were idle does not swap the roles), then by worker id (every worker reading the same
+    heartbeats finds the same engines)."""
     elastic = [w for w in workers if w.role == "elastic"]
     long_tokens = sum(w.long_tokens for w in elastic)
     short_tokens = sum(w.short_tokens for w in elastic)
@@ -112,7 +114,7 @@ def long_engines(workers: Iterable[MixLoad]) -> frozenset[str]:
     n = len(elastic)
     # Rounded down, and at most half: the other engines take the short prompts and every stream too.
     k = min(max(1, n // 2), max(1, n * long_tokens // (long_tokens + short_tokens)))
-    ranked = sorted(elastic, key=lambda w: (-w.long_tokens, w.worker_id))
+    ranked = sorted(elastic, key=lambda w: (-w.long_tokens, w.worker_id not in current, w.worker_id))
     return frozenset(w.worker_id for w in ranked[:k])
 
 

@@ -410,9 +410,9 @@ async def test_the_phase_mix_keeps_long_prompts_on_one_engine_and_their_streams_
     cfg, client, rts, tasks = await start_fleet(redis_url, key_prefix, TIMING, "g", roles=("elastic", "elastic"))
     keys = Keys(key_prefix)
 
-    def long_request(rid: str) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute
-        t = now_ms()
-        return m.GenerateRequest(rid, "skyline-sim", list(range(1, 1501)), m.SamplingSpec(max_tokens=4),
+    def long_request(rid: str, first: int) -> m.GenerateRequest:  # 1,500 tokens: 1.5 s of prompt; due in a minute
+        t = now_ms()  # (prompts that share no prefix: a cached one would be computed at once)
+        return m.GenerateRequest(rid, "skyline-sim", list(range(first, first + 1500)), m.SamplingSpec(max_tokens=4),
                                  "interactive", t, t + 60_000, 60_000, 250, route="disagg")
 
     def final(frames) -> m.Finished:
@@ -424,7 +424,7 @@ async def test_the_phase_mix_keeps_long_prompts_on_one_engine_and_their_streams_
         assert all(rt.phase_mix for rt in rts)
         # One kind of prompt only: no split.
         await run_request(client, keys, gen_request("chat-0", list(range(1, 30)), 4, route="colocated"), timeout_s=30)
-        first = final(await run_request(client, keys, long_request("long-0"), timeout_s=30))
+        first = final(await run_request(client, keys, long_request("long-0", 1), timeout_s=30))
         holder_id = first.prefill_worker or first.decode_worker
         for _ in range(300):  # until both have seen both kinds in each other's heartbeats
             if all(rt.long_set == {holder_id} for rt in rts):
@@ -433,18 +433,30 @@ async def test_the_phase_mix_keeps_long_prompts_on_one_engine_and_their_streams_
         assert all(rt.long_set == {holder_id} for rt in rts), [rt.long_set for rt in rts]
         holder = next(rt for rt in rts if rt.worker_id == holder_id)
         other = next(rt for rt in rts if rt is not holder)
-        second = asyncio.create_task(run_request(client, keys, long_request("long-1"), timeout_s=30))
-        for _ in range(300):
-            if "long-1" in {h.request_id for h in holder.held}:
-                break
-            await asyncio.sleep(0.02)
-        assert "long-1" in {h.request_id for h in holder.held}
+        async def held_by_either(rid: str) -> None:
+            for _ in range(300):
+                if any(rid in {h.request_id for h in rt.held} for rt in rts):
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{rid} was not claimed")
+
+        second = asyncio.create_task(run_request(client, keys, long_request("long-1", 5001), timeout_s=30))
+        await held_by_either("long-1")
+        mine_id, mine = "long-1", second
+        if "long-1" in {h.request_id for h in other.held}:
+            # Both engines were idle, and an engine holding nothing leaves nothing (it finishes it first):
+            # the other one took it. Now it computes, so the next long prompt is left to the long engine.
+            mine_id = "long-2"
+            mine = asyncio.create_task(run_request(client, keys, long_request("long-2", 9001), timeout_s=30))
+            await held_by_either(mine_id)
+        assert mine_id in {h.request_id for h in holder.held}
         chat = final(await run_request(client, keys, gen_request("chat-1", list(range(1, 30)), 4,
                                                                   route="colocated"), timeout_s=30))
         assert chat.decode_worker == other.worker_id and not chat.prefill_worker
-        done = final(await second)
+        done = final(await mine)
         assert (done.prefill_worker, done.decode_worker) == (holder.worker_id, other.worker_id)
-        placed = [e for e in await read_timeline(client, keys, "long-1") if e.event == "decode_placed"]
+        final(await second)
+        placed = [e for e in await read_timeline(client, keys, mine_id) if e.event == "decode_placed"]
         assert placed and placed[0].fields["why"] == "long_prompts_here", placed
         assert done.kv_transfer["decode_placed"] == "long_prompts_here", done.kv_transfer
     finally:

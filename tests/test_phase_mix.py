@@ -24,6 +24,8 @@ def test_the_engine_that_computed_the_most_long_prompt_tokens_keeps_them():
     assert long_engines([_w("a", 0, 300), _w("b", 1500, 400)]) == {"b"}
     # Equal: the first worker id, so every worker reading the same heartbeats finds the same engine.
     assert long_engines([_w("b", 1500, 0), _w("a", 1500, 700)]) == {"a"}
+    # Among equals, the engines that keep them already: a tie does not swap the roles.
+    assert long_engines([_w("a", 1500, 0), _w("b", 1500, 700)], current=frozenset({"b"})) == {"b"}
     # Never every engine: the streams need one.
     assert long_engines([_w("a", 9000, 0), _w("b", 9000, 10)]) == {"a"}
 

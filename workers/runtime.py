@@ -262,7 +262,7 @@ class WorkerRuntime:
         wc = self.cfg.worker
         self.freest = freest_peers(peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
         if self.phase_mix:
-            self.long_set = long_engines(peers)
+            self.long_set = long_engines(peers, self.long_set)
 
     def _pace_ok(self) -> bool:
         """The pace rule's verdict for the streams this worker decodes (scheduler/decode_room.py)."""

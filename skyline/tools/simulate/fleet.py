@@ -445,7 +445,7 @@ class Simulation:
             wc = self.worker_cfg
             self.freest = freest_peers(self.peers, wc.prefill_token_budget, wc.prior_prefill_tokens_per_s)
         if self.elastic and self.worker_cfg.phase_mix:  # live: `WorkerRuntime.see_peers`
-            self.long_set = long_engines(self.peers)
+            self.long_set = long_engines(self.peers, self.long_set)
         self.seen_rate = {"prefill": pool_rate(view.workers, "prefill"), "decode": pool_rate(view.workers, "decode")}
         self.seen_prefill_backlog = sum(self.prefill_q.backlog.values())
         self.loop.after(FLEET_REFRESH_S, self._refresh)
